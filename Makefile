@@ -1,0 +1,45 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip -q
+CONSTRAINTS := .ci/constraints.txt
+BUILD_DEPS := scikit-build-core pybind11
+TEST_DEPS := pytest hypothesis regex megatron-core
+BENCH_DEPS := tokenizers tiktoken rustbpe
+
+.PHONY: demo test bench install dev fuzz clean
+
+$(VENV)/.deps: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -c $(CONSTRAINTS) torch==2.13.0
+	$(PIP) install -c $(CONSTRAINTS) numpy tqdm $(BUILD_DEPS) $(TEST_DEPS)
+	touch $@
+
+# Non-editable install, incremental through scikit-build-core's build dir (build/).
+install: $(VENV)/.deps
+	$(PIP) install --no-build-isolation --no-deps -c $(CONSTRAINTS) .
+
+demo: install
+	$(VENV)/bin/trainfast demo
+
+test: install
+	$(VPY) -m pytest tests
+
+fuzz: install
+	HYPOTHESIS_PROFILE=fuzz $(VPY) -m pytest tests -m "not slow" -x
+
+bench: install
+	$(PIP) install -c $(CONSTRAINTS) $(BENCH_DEPS)
+	set -e; for b in benchmarks/bench_*.py; do $(VPY) $$b --write-readme; done
+
+# Fast inner loop for developers: build the extension in place, then `PYTHONPATH=python pytest`.
+dev: $(VENV)/.deps
+	cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -Dpybind11_DIR=$$($(VPY) -c 'import pybind11; print(pybind11.get_cmake_dir())') \
+	  -DPython_EXECUTABLE=$$(realpath $(VPY)) >/dev/null
+	cmake --build build/dev
+	cp build/dev/_core*.so python/trainfast/
+
+clean:
+	rm -rf build $(VENV) python/trainfast/_core*.so

@@ -1,0 +1,54 @@
+// Conversions shared by every binding: zero-copy NumPy views in and out, Ctrl-C polling.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/parallel.h"
+
+namespace trainfast::bindings {
+
+namespace py = pybind11;
+
+template <typename T>
+using CArray = py::array_t<T, py::array::c_style>;
+
+// A read-only span over a 1-D C-contiguous array; `name` is the Python argument name for errors.
+template <typename T>
+std::span<const T> span_1d(const CArray<T>& array, const char* name) {
+  if (array.ndim() != 1) {
+    throw py::value_error(std::string(name) + " must be 1-D (got " + std::to_string(array.ndim()) +
+                          "-D)");
+  }
+  return {array.data(), static_cast<size_t>(array.shape(0))};
+}
+
+// Moves a vector into a NumPy array that owns it (no copy); torch.from_numpy then shares it too.
+template <typename T>
+py::array_t<T> to_numpy(std::vector<T>&& values, std::vector<py::ssize_t> shape = {}) {
+  auto* owned = new std::vector<T>(std::move(values));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  if (shape.empty()) shape = {static_cast<py::ssize_t>(owned->size())};
+  return py::array_t<T>(shape, owned->data(), free_when_done);
+}
+
+// An Interrupt whose poll runs Python's signal handlers (so Ctrl-C stops native work); it must be
+// checked only from the thread that called into the extension, with the GIL released.
+inline Interrupt python_interrupt() {
+  return Interrupt([] {
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) {
+      PyErr_Clear();  // re-raised as KeyboardInterrupt by the Interrupted translator
+      return true;
+    }
+    return false;
+  });
+}
+
+void register_checkpoint(py::module_& m);
+
+}  // namespace trainfast::bindings

@@ -1,0 +1,17 @@
+#include <pybind11/pybind11.h>
+
+#include "bindings/common.h"
+#include "common/check.h"
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "trainfast native core (private: use the trainfast package)";
+  // std::invalid_argument already maps to ValueError; Interrupted is Ctrl-C seen by native code.
+  pybind11::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const trainfast::Interrupted&) {
+      PyErr_SetNone(PyExc_KeyboardInterrupt);
+    }
+  });
+  trainfast::bindings::register_checkpoint(m);
+}

@@ -1,0 +1,223 @@
+#include "checkpoint/binning.h"
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <queue>
+#include <utility>
+
+#include "common/check.h"
+#include "common/checked_math.h"
+
+namespace trainfast::checkpoint {
+namespace {
+
+// Below this many bins a linear scan for the lightest bin beats a heap.
+constexpr int64_t kLinearScanMaxBins = 32;
+// Bound on refinement steps; each step strictly lowers the sum of squared bin loads, so this only
+// guards against pathological inputs taking quadratic time.
+constexpr int64_t kMaxRefineSteps = 100000;
+
+// Stable LSD radix sort of item indices by a 64-bit unsigned key; byte positions on which every key
+// agrees are skipped (real sizes rarely use more than 5 of the 8 bytes).
+void radix_sort_by_key(std::vector<int64_t>& idx, std::vector<uint64_t>& keys) {
+  const size_t n = idx.size();
+  if (n < 2) return;
+  uint64_t all_or = 0, all_and = ~uint64_t{0};
+  for (uint64_t k : keys) {
+    all_or |= k;
+    all_and &= k;
+  }
+  const uint64_t varying = all_or ^ all_and;
+  std::vector<int64_t> idx_tmp(n);
+  std::vector<uint64_t> key_tmp(n);
+  for (int shift = 0; shift < 64; shift += 8) {
+    if (((varying >> shift) & 0xff) == 0) continue;
+    std::array<size_t, 257> count{};
+    for (uint64_t k : keys) ++count[((k >> shift) & 0xff) + 1];
+    for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
+    for (size_t i = 0; i < n; ++i) {
+      const size_t dst = count[(keys[i] >> shift) & 0xff]++;
+      idx_tmp[dst] = idx[i];
+      key_tmp[dst] = keys[i];
+    }
+    idx.swap(idx_tmp);
+    keys.swap(key_tmp);
+  }
+}
+
+// Greedy longest-processing-time: each item (already in descending size order) goes to the bin with
+// the smallest load, ties to the lowest bin index, exactly like upstream's heap of (load, bin).
+void greedy_assign(const std::vector<int64_t>& sorted_items, std::span<const int64_t> sizes,
+                   std::vector<int64_t>& bin_load, std::vector<int64_t>& bin_idx) {
+  const int64_t num_bins = static_cast<int64_t>(bin_load.size());
+  if (num_bins <= kLinearScanMaxBins) {
+    for (int64_t item : sorted_items) {
+      int64_t best = 0;
+      for (int64_t b = 1; b < num_bins; ++b) {
+        if (bin_load[b] < bin_load[best]) best = b;
+      }
+      bin_idx[item] = best;
+      bin_load[best] += sizes[item];
+    }
+    return;
+  }
+  using Entry = std::pair<int64_t, int64_t>;  // (load, bin)
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  for (int64_t b = 0; b < num_bins; ++b) heap.emplace(bin_load[b], b);
+  for (int64_t item : sorted_items) {
+    auto [load, bin] = heap.top();
+    heap.pop();
+    bin_idx[item] = bin;
+    bin_load[bin] = load + sizes[item];
+    heap.emplace(bin_load[bin], bin);
+  }
+}
+
+// One candidate change between the heaviest bin and another bin: move `from_item` out of the heavy
+// bin, and `to_item` (or -1) back into it.
+struct Change {
+  int64_t new_pair_max;
+  int64_t other_bin;
+  int64_t from_item;
+  int64_t to_item;
+};
+
+// Local search after the greedy pass. Per bin, items are kept sorted by (size, item index) so the best
+// move/swap toward an even split of the pair is found by binary search.
+void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
+            std::vector<int64_t>& bin_idx) {
+  const int64_t num_bins = static_cast<int64_t>(bin_load.size());
+  using SizedItem = std::pair<int64_t, int64_t>;  // (size, item)
+  std::vector<std::vector<SizedItem>> members(num_bins);
+  for (int64_t i = 0; i < static_cast<int64_t>(sizes.size()); ++i) {
+    members[bin_idx[i]].emplace_back(sizes[i], i);
+  }
+  for (auto& m : members) std::sort(m.begin(), m.end());
+
+  for (int64_t step = 0; step < kMaxRefineSteps; ++step) {
+    const int64_t heavy = std::max_element(bin_load.begin(), bin_load.end()) - bin_load.begin();
+    const auto& heavy_items = members[heavy];
+    Change best{bin_load[heavy], -1, -1, -1};
+    auto consider = [&](int64_t other, int64_t delta, int64_t from_item, int64_t to_item) {
+      // Moving `delta` bytes from the heavy bin to `other`.
+      const int64_t pair_max = std::max(bin_load[heavy] - delta, bin_load[other] + delta);
+      if (pair_max < best.new_pair_max) best = {pair_max, other, from_item, to_item};
+    };
+    for (int64_t other = 0; other < num_bins; ++other) {
+      const int64_t gap = bin_load[heavy] - bin_load[other];
+      if (other == heavy || gap <= 1) continue;
+      const int64_t half = gap / 2;
+      // Best single move: the item whose size is closest to gap/2 with 0 < size < gap.
+      auto it = std::lower_bound(heavy_items.begin(), heavy_items.end(), SizedItem{half, -1});
+      for (auto cand : {it, it == heavy_items.begin() ? heavy_items.end() : std::prev(it)}) {
+        if (cand != heavy_items.end() && cand->first > 0 && cand->first < gap) {
+          consider(other, cand->first, cand->second, -1);
+        }
+      }
+      // Best swap: a from heavy, b from other with 0 < a - b < gap and a - b closest to gap/2.
+      const auto& other_items = members[other];
+      if (other_items.empty()) continue;
+      for (size_t k = 0; k < heavy_items.size(); ++k) {
+        if (k > 0 && heavy_items[k].first == heavy_items[k - 1].first) continue;
+        const int64_t a = heavy_items[k].first;
+        auto jt = std::lower_bound(other_items.begin(), other_items.end(), SizedItem{a - half, -1});
+        for (auto cand : {jt, jt == other_items.begin() ? other_items.end() : std::prev(jt)}) {
+          if (cand == other_items.end()) continue;
+          const int64_t delta = a - cand->first;
+          if (delta > 0 && delta < gap) consider(other, delta, heavy_items[k].second, cand->second);
+        }
+      }
+    }
+    if (best.other_bin < 0) return;
+
+    auto take = [&](int64_t bin, int64_t item) {
+      auto& m = members[bin];
+      m.erase(std::lower_bound(m.begin(), m.end(), SizedItem{sizes[item], item}));
+      bin_load[bin] -= sizes[item];
+    };
+    auto put = [&](int64_t bin, int64_t item) {
+      auto& m = members[bin];
+      m.insert(std::lower_bound(m.begin(), m.end(), SizedItem{sizes[item], item}),
+               SizedItem{sizes[item], item});
+      bin_load[bin] += sizes[item];
+      bin_idx[item] = bin;
+    };
+    take(heavy, best.from_item);
+    put(best.other_bin, best.from_item);
+    if (best.to_item >= 0) {
+      take(best.other_bin, best.to_item);
+      put(heavy, best.to_item);
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> tensor_order_by_size_desc(std::span<const uint8_t> is_bytes,
+                                               std::span<const int64_t> sizes) {
+  std::vector<int64_t> idx;
+  std::vector<uint64_t> keys;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (is_bytes[i]) continue;
+    idx.push_back(static_cast<int64_t>(i));
+    // Ascending order of (max - size) is descending size; the radix sort keeps input order on ties.
+    keys.push_back(~static_cast<uint64_t>(sizes[i]));
+  }
+  radix_sort_by_key(idx, keys);
+  return idx;
+}
+
+BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes,
+                    int64_t num_bins, Balance balance) {
+  TF_CHECK_ARG(num_bins > 0, "bins", num_bins, "must be a positive integer");
+  TF_CHECK_ARG(is_bytes.size() == sizes.size(), "sizes", sizes.size(),
+               "must have one entry per item, like is_bytes");
+  const int64_t num_items = static_cast<int64_t>(sizes.size());
+  const bool count_bytes = balance == Balance::kRefined;
+  int64_t total = 0;
+  for (int64_t i = 0; i < num_items; ++i) {
+    TF_CHECK_ARG(sizes[i] >= 0, "sizes", sizes[i], "must be non-negative");
+    if (!is_bytes[i] || count_bytes) {
+      const auto sum = checked_add(total, sizes[i]);
+      TF_CHECK_ARG(sum.has_value(), "sizes", "sum > 2^63-1", "must sum to a value that fits in int64");
+      total = *sum;
+    }
+  }
+
+  BinPlan plan;
+  plan.bin_idx.assign(num_items, 0);
+  plan.bin_bytes.assign(num_bins, 0);
+  if (num_bins == 1) {
+    plan.order.resize(num_items);
+    for (int64_t i = 0; i < num_items; ++i) plan.order[i] = i;
+    plan.bin_offsets = {0, num_items};
+    plan.bin_bytes[0] = total;
+    return plan;
+  }
+
+  int64_t num_byte_items = 0;
+  for (int64_t i = 0; i < num_items; ++i) {
+    if (is_bytes[i]) {
+      plan.bin_idx[i] = num_byte_items++ % num_bins;
+      if (count_bytes) plan.bin_bytes[plan.bin_idx[i]] += sizes[i];
+    }
+  }
+  const std::vector<int64_t> tensors = tensor_order_by_size_desc(is_bytes, sizes);
+  greedy_assign(tensors, sizes, plan.bin_bytes, plan.bin_idx);
+  if (balance == Balance::kRefined) refine(sizes, plan.bin_bytes, plan.bin_idx);
+
+  // Each bin: its byte items in input order, then its tensors in descending-size (assignment) order.
+  plan.bin_offsets.assign(num_bins + 1, 0);
+  for (int64_t i = 0; i < num_items; ++i) ++plan.bin_offsets[plan.bin_idx[i] + 1];
+  for (int64_t b = 0; b < num_bins; ++b) plan.bin_offsets[b + 1] += plan.bin_offsets[b];
+  std::vector<int64_t> cursor(plan.bin_offsets.begin(), plan.bin_offsets.end() - 1);
+  plan.order.resize(num_items);
+  for (int64_t i = 0; i < num_items; ++i) {
+    if (is_bytes[i]) plan.order[cursor[plan.bin_idx[i]]++] = i;
+  }
+  for (int64_t i : tensors) plan.order[cursor[plan.bin_idx[i]]++] = i;
+  return plan;
+}
+
+}  // namespace trainfast::checkpoint

@@ -1,0 +1,31 @@
+// Checkpoint write-item binning: Megatron's / torch DCP's `_split_by_size_and_type` on plain arrays.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace trainfast::checkpoint {
+
+enum class Balance {
+  kUpstream,  // bit-identical to upstream: bytes round-robin (sizes ignored), tensors greedy LPT
+  kRefined,   // byte sizes counted, then moves/swaps out of the heaviest bin until none helps
+};
+
+struct BinPlan {
+  std::vector<int64_t> bin_idx;      // [num_items] bin of each item
+  std::vector<int64_t> order;        // [num_items] item indices grouped by bin, in upstream order
+  std::vector<int64_t> bin_offsets;  // [num_bins + 1] bin b is order[bin_offsets[b]:bin_offsets[b+1]]
+  std::vector<int64_t> bin_bytes;    // [num_bins] counted bytes per bin
+};
+
+// is_bytes[i] != 0 marks a BYTE_IO item; sizes[i] >= 0 is its size in bytes (ignored for byte items
+// under kUpstream). Throws std::invalid_argument on bad input; nothing is returned half-done.
+BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes,
+                    int64_t num_bins, Balance balance = Balance::kUpstream);
+
+// Indices of the tensor items (is_bytes == 0), stably sorted by size, largest first.
+std::vector<int64_t> tensor_order_by_size_desc(std::span<const uint8_t> is_bytes,
+                                               std::span<const int64_t> sizes);
+
+}  // namespace trainfast::checkpoint

@@ -1,0 +1,44 @@
+// Data-parallel loops and cooperative interruption.
+//
+// Workers are created per call, so no thread outlives the call (nothing is left running across a
+// fork()). Work is claimed in fixed blocks and every block writes only its own outputs, so results
+// never depend on the thread count.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+
+namespace trainfast {
+
+// Lets the thread that started a computation ask its caller whether to stop (the Python bindings
+// poll for Ctrl-C). Workers only read the flag.
+class Interrupt {
+ public:
+  using PollFn = std::function<bool()>;  // true: the caller asked to stop
+
+  Interrupt() = default;
+  explicit Interrupt(PollFn poll, std::chrono::milliseconds interval = std::chrono::milliseconds(50))
+      : poll_(std::move(poll)), interval_(interval) {}
+
+  // Call only from the thread that started the work; throws Interrupted when asked to stop.
+  // Cheap: polls the caller at most once per interval.
+  void check();
+  bool stop_requested() const { return stop_.load(std::memory_order_relaxed); }
+  void request_stop() { stop_.store(true, std::memory_order_relaxed); }
+
+ private:
+  PollFn poll_;
+  std::chrono::milliseconds interval_{50};
+  std::chrono::steady_clock::time_point last_poll_{};
+  std::atomic<bool> stop_{false};
+};
+
+// Runs body(begin, end) over [0, num_items) in blocks of block_size on up to num_threads threads
+// (the calling thread included, which also polls `interrupt`). The first exception thrown by any
+// block is rethrown after all threads have joined.
+void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
+                  const std::function<void(int64_t, int64_t)>& body, Interrupt* interrupt = nullptr);
+
+}  // namespace trainfast

@@ -1,0 +1,110 @@
+"""Boundary helpers every domain uses: argument checks, array conversion, thread counts."""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "UpstreamAssertionError",
+    "as_array",
+    "check_choice",
+    "check_int",
+    "resolve_num_threads",
+    "to_tensor",
+]
+
+NUM_THREADS_ENV = "TRAINFAST_NUM_THREADS"
+
+_KINDS = {
+    "int": ("i", "u"),
+    "bool": ("b", "i", "u"),
+    "float": ("f", "i", "u"),
+}
+
+
+class UpstreamAssertionError(ValueError, AssertionError):
+    """Bad argument where upstream ``assert``s: catchable as either ValueError or AssertionError."""
+
+
+def check_int(value: Any, name: str, *, min_value: int | None = None) -> int:
+    """Returns ``value`` as an int; TypeError unless it is an integer (bools excluded)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
+    value = operator.index(value)
+    if min_value is not None and value < min_value:
+        raise ValueError(f"{name} must be >= {min_value} (got {value})")
+    return value
+
+
+def check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))} (got {value!r})")
+    return value
+
+
+def resolve_num_threads(num_threads: int | None) -> int:
+    """``num_threads``, else $TRAINFAST_NUM_THREADS, else the cores this process may run on."""
+    if num_threads is None:
+        env = os.environ.get(NUM_THREADS_ENV)
+        if env is not None:
+            try:
+                return check_int(int(env), NUM_THREADS_ENV, min_value=1)
+            except ValueError as error:
+                raise ValueError(f"${NUM_THREADS_ENV} must be a positive int (got {env!r})") from error
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not on Linux
+            return max(1, os.cpu_count() or 1)
+    return check_int(num_threads, "num_threads", min_value=1)
+
+
+def as_array(
+    value: Any,
+    name: str,
+    dtype: type | np.dtype,
+    *,
+    kind: str,
+    ndim: int | None = 1,
+) -> np.ndarray:
+    """Converts a torch tensor (any device, detached), NumPy array or sequence to a C-contiguous
+    NumPy array of ``dtype``, without copying when it already is one.
+
+    ``kind`` ("int", "bool" or "float") says which source dtypes are accepted; others raise TypeError.
+    """
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        value = value.detach()
+        if value.device.type != "cpu":
+            value = value.cpu()
+        if value.is_conj():
+            value = value.resolve_conj()
+        value = value.contiguous().numpy()
+    elif not isinstance(value, np.ndarray):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, range)):
+            raise TypeError(
+                f"{name} must be a torch tensor, NumPy array or sequence (got {type(value).__name__})"
+            )
+        value = np.asarray(value)
+        if value.size == 0:
+            value = value.astype(dtype)
+    if value.dtype.kind not in _KINDS[kind]:
+        raise TypeError(f"{name} must have a {kind} dtype (got {value.dtype})")
+    if ndim is not None and value.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D (got shape {tuple(value.shape)})")
+    target = np.dtype(dtype)
+    if value.dtype != target:
+        if kind == "int" and value.dtype.kind == "u" and value.size and value.max() > np.iinfo(target).max:
+            raise ValueError(f"{name} has values that do not fit in {target} (max {value.max()})")
+        value = value.astype(target)
+    return np.ascontiguousarray(value)
+
+
+def to_tensor(array: np.ndarray) -> Any:
+    """A torch tensor sharing memory with ``array`` (no copy)."""
+    import torch
+
+    return torch.from_numpy(array)

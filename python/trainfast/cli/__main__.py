@@ -1,0 +1,5 @@
+import sys
+
+from trainfast.cli import main
+
+sys.exit(main())

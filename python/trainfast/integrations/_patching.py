@@ -1,0 +1,76 @@
+"""One mechanism for every integration: a list of (module, attribute, replacement) targets."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Target:
+    module: str
+    attribute: str
+    # Called with the upstream function; returns the drop-in that replaces it.
+    make_replacement: Callable[[Callable[..., Any]], Callable[..., Any]]
+    required: bool = True
+
+
+@dataclass
+class Patcher:
+    """Replaces module attributes and restores them; idempotent in both directions."""
+
+    package: str
+    targets: list[Target] = field(default_factory=list)
+    _originals: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+    def add(self, module: str, attribute: str, make_replacement: Callable, *, required: bool = True) -> None:
+        self.targets.append(Target(module, attribute, make_replacement, required))
+
+    def patch(self) -> list[str]:
+        """Patches every importable target; returns the ``module.attribute`` names replaced.
+
+        Raises ImportError when a required module cannot be imported (nothing is patched then).
+        """
+        resolved = []
+        for target in self.targets:
+            try:
+                module = importlib.import_module(target.module)
+            except ImportError as error:
+                if target.required:
+                    raise ImportError(
+                        f"trainfast cannot patch {self.package}: {target.module} is not importable ({error})"
+                    ) from error
+                logger.info("skipping %s.%s: %s", target.module, target.attribute, error)
+                continue
+            if not hasattr(module, target.attribute):
+                if target.required:
+                    raise ImportError(f"{target.module} has no {target.attribute}; unsupported {self.package} version")
+                continue
+            resolved.append((target, module))
+        patched = []
+        for target, module in resolved:
+            key = (target.module, target.attribute)
+            if key not in self._originals:
+                original = getattr(module, target.attribute)
+                replacement = target.make_replacement(original)
+                functools.update_wrapper(replacement, original)
+                replacement.__trainfast_original__ = original
+                self._originals[key] = original
+                setattr(module, target.attribute, replacement)
+            patched.append(f"{target.module}.{target.attribute}")
+        logger.info("patched %s", ", ".join(patched))
+        return patched
+
+    def unpatch(self) -> None:
+        for (module_name, attribute), original in self._originals.items():
+            setattr(importlib.import_module(module_name), attribute, original)
+        self._originals.clear()
+
+    def is_patched(self) -> bool:
+        return bool(self._originals)
