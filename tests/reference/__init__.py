@@ -1,0 +1,2 @@
+"""Readable pure-Python oracles, written from the upstream semantics; every native path is diffed
+against them."""
