@@ -11,3 +11,18 @@ settings.register_profile(
     "fuzz", max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+# Test data lives beside the checkout (../shared), as on CI; $TRAINFAST_SHARED overrides.
+SHARED_DIR = Path(os.environ.get("TRAINFAST_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """../shared (fixtures/, corpora/); a missing directory fails loudly rather than skipping."""
+    if not SHARED_DIR.is_dir():
+        pytest.fail(f"test data directory {SHARED_DIR} is missing (set TRAINFAST_SHARED)")
+    return SHARED_DIR
