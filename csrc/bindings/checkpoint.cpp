@@ -16,6 +16,10 @@ PyObject* new_reference(PyObject* obj) {
   return obj;
 }
 
+py::str interned(const char* name) {
+  return py::reinterpret_steal<py::str>(PyUnicode_InternFromString(name));
+}
+
 std::string item_name(size_t idx) { return "items[" + std::to_string(idx) + "]"; }
 
 py::object get_attr(py::handle obj, const py::str& attr, size_t idx) {
@@ -32,8 +36,14 @@ py::object get_attr(py::handle obj, const py::str& attr, size_t idx) {
 int64_t numel_of(py::handle shape, size_t idx, const char* field) {
   const std::string where = item_name(idx) + "." + field;
   if (!PySequence_Check(shape.ptr())) throw py::type_error(where + " must be a sequence of ints");
+  // torch.Size is a tuple: index it directly; other sequences go through PySequence_Fast.
+  auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(shape.ptr(), "shape"));
+  if (!fast) throw py::error_already_set();
+  const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(fast.ptr());
+  PyObject** dims = PySequence_Fast_ITEMS(fast.ptr());
   int64_t numel = 1;
-  for (py::handle dim : py::reinterpret_borrow<py::sequence>(shape)) {
+  for (Py_ssize_t d = 0; d < ndim; ++d) {
+    py::handle dim(dims[d]);
     int overflow = 0;
     const long long value = PyLong_AsLongLongAndOverflow(dim.ptr(), &overflow);
     if (value == -1 && PyErr_Occurred()) {
@@ -62,9 +72,12 @@ struct ItemArrays {
 // (torch DCP). With `count_bytes`, a BYTE_IO item's size is bytes_io_data.nbytes when present.
 ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
                       const py::dict& element_sizes, bool global_sizing, bool count_bytes) {
-  const py::str type_attr("type"), tensor_data_attr("tensor_data"), chunk_attr("chunk"),
-      sizes_attr("sizes"), size_attr("size"), properties_attr("properties"), dtype_attr("dtype"),
-      bytes_io_attr("bytes_io_data"), nbytes_attr("nbytes");
+  // Interned names make each attribute lookup a pointer comparison in the instance dict.
+  const py::str type_attr = interned("type"), tensor_data_attr = interned("tensor_data"),
+                chunk_attr = interned("chunk"), sizes_attr = interned("sizes"),
+                size_attr = interned("size"), properties_attr = interned("properties"),
+                dtype_attr = interned("dtype"), bytes_io_attr = interned("bytes_io_data"),
+                nbytes_attr = interned("nbytes");
   const size_t num_items = items.size();
   ItemArrays out;
   out.is_bytes.resize(num_items);

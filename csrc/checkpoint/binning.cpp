@@ -18,8 +18,15 @@ constexpr int64_t kLinearScanMaxBins = 32;
 // guards against pathological inputs taking quadratic time.
 constexpr int64_t kMaxRefineSteps = 100000;
 
-// Stable LSD radix sort of item indices by a 64-bit unsigned key; byte positions on which every key
-// agrees are skipped (real sizes rarely use more than 5 of the 8 bytes).
+// Tensor items sorted by size, largest first, stable; sizes carried along so the greedy pass reads
+// them sequentially instead of gathering from the input.
+struct SortedItems {
+  std::vector<int64_t> idx;
+  std::vector<int64_t> size;
+};
+
+// Stable LSD radix sort by a 64-bit unsigned key; byte positions on which every key agrees are
+// skipped (real sizes rarely use more than 5 of the 8 bytes).
 void radix_sort_by_key(std::vector<int64_t>& idx, std::vector<uint64_t>& keys) {
   const size_t n = idx.size();
   if (n < 2) return;
@@ -46,30 +53,72 @@ void radix_sort_by_key(std::vector<int64_t>& idx, std::vector<uint64_t>& keys) {
   }
 }
 
+// Real plans repeat a few hundred shapes: when there are few distinct sizes, rank them and do one
+// stable counting-sort pass. Returns false (and leaves `out` empty) when there are too many.
+bool sort_few_distinct_sizes(const std::vector<int64_t>& idx, std::span<const int64_t> sizes,
+                             SortedItems& out) {
+  constexpr size_t kMaxDistinct = 2048;
+  constexpr size_t kSlots = 4 * kMaxDistinct;  // open addressing, power of two, load <= 1/4
+  std::vector<int64_t> slot_size(kSlots, -1);   // sizes are >= 0, so -1 marks an empty slot
+  std::vector<int32_t> slot_rank(kSlots, 0);
+  std::vector<int64_t> distinct;
+  auto slot_of = [&](int64_t size) {
+    size_t h = static_cast<size_t>(static_cast<uint64_t>(size) * 0x9E3779B97F4A7C15ull >> 51);
+    while (slot_size[h] != -1 && slot_size[h] != size) h = (h + 1) & (kSlots - 1);
+    return h;
+  };
+  for (int64_t i : idx) {
+    const size_t h = slot_of(sizes[i]);
+    if (slot_size[h] == -1) {
+      if (distinct.size() == kMaxDistinct) return false;
+      slot_size[h] = sizes[i];
+      distinct.push_back(sizes[i]);
+    }
+  }
+  std::sort(distinct.begin(), distinct.end(), std::greater<int64_t>());
+  for (size_t r = 0; r < distinct.size(); ++r) slot_rank[slot_of(distinct[r])] = static_cast<int32_t>(r);
+  std::vector<int64_t> start(distinct.size() + 1, 0);
+  for (int64_t i : idx) ++start[slot_rank[slot_of(sizes[i])] + 1];
+  for (size_t r = 0; r < distinct.size(); ++r) start[r + 1] += start[r];
+  out.idx.resize(idx.size());
+  out.size.resize(idx.size());
+  for (int64_t i : idx) {
+    const int32_t rank = slot_rank[slot_of(sizes[i])];
+    const int64_t dst = start[rank]++;
+    out.idx[dst] = i;
+    out.size[dst] = distinct[rank];
+  }
+  return true;
+}
+
 // Greedy longest-processing-time: each item (already in descending size order) goes to the bin with
 // the smallest load, ties to the lowest bin index, exactly like upstream's heap of (load, bin).
-void greedy_assign(const std::vector<int64_t>& sorted_items, std::span<const int64_t> sizes,
-                   std::vector<int64_t>& bin_load, std::vector<int64_t>& bin_idx) {
+void greedy_assign(const SortedItems& sorted, std::vector<int64_t>& bin_load,
+                   std::vector<int64_t>& bin_idx) {
   const int64_t num_bins = static_cast<int64_t>(bin_load.size());
+  const size_t num_sorted = sorted.idx.size();
   if (num_bins <= kLinearScanMaxBins) {
-    for (int64_t item : sorted_items) {
+    std::array<int64_t, kLinearScanMaxBins> load{};
+    std::copy(bin_load.begin(), bin_load.end(), load.begin());
+    for (size_t k = 0; k < num_sorted; ++k) {
       int64_t best = 0;
       for (int64_t b = 1; b < num_bins; ++b) {
-        if (bin_load[b] < bin_load[best]) best = b;
+        if (load[b] < load[best]) best = b;
       }
-      bin_idx[item] = best;
-      bin_load[best] += sizes[item];
+      bin_idx[sorted.idx[k]] = best;
+      load[best] += sorted.size[k];
     }
+    std::copy(load.begin(), load.begin() + num_bins, bin_load.begin());
     return;
   }
   using Entry = std::pair<int64_t, int64_t>;  // (load, bin)
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
   for (int64_t b = 0; b < num_bins; ++b) heap.emplace(bin_load[b], b);
-  for (int64_t item : sorted_items) {
+  for (size_t k = 0; k < num_sorted; ++k) {
     auto [load, bin] = heap.top();
     heap.pop();
-    bin_idx[item] = bin;
-    bin_load[bin] = load + sizes[item];
+    bin_idx[sorted.idx[k]] = bin;
+    bin_load[bin] = load + sorted.size[k];
     heap.emplace(bin_load[bin], bin);
   }
 }
@@ -154,18 +203,31 @@ void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
 
 }  // namespace
 
+namespace {
+
+SortedItems sort_tensor_items(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes) {
+  std::vector<int64_t> idx;
+  idx.reserve(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (!is_bytes[i]) idx.push_back(static_cast<int64_t>(i));
+  }
+  SortedItems sorted;
+  if (sort_few_distinct_sizes(idx, sizes, sorted)) return sorted;
+  // Ascending order of (max - size) is descending size; the radix sort keeps input order on ties.
+  std::vector<uint64_t> keys(idx.size());
+  for (size_t k = 0; k < idx.size(); ++k) keys[k] = ~static_cast<uint64_t>(sizes[idx[k]]);
+  radix_sort_by_key(idx, keys);
+  sorted.size.resize(keys.size());
+  for (size_t k = 0; k < keys.size(); ++k) sorted.size[k] = static_cast<int64_t>(~keys[k]);
+  sorted.idx = std::move(idx);
+  return sorted;
+}
+
+}  // namespace
+
 std::vector<int64_t> tensor_order_by_size_desc(std::span<const uint8_t> is_bytes,
                                                std::span<const int64_t> sizes) {
-  std::vector<int64_t> idx;
-  std::vector<uint64_t> keys;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (is_bytes[i]) continue;
-    idx.push_back(static_cast<int64_t>(i));
-    // Ascending order of (max - size) is descending size; the radix sort keeps input order on ties.
-    keys.push_back(~static_cast<uint64_t>(sizes[i]));
-  }
-  radix_sort_by_key(idx, keys);
-  return idx;
+  return sort_tensor_items(is_bytes, sizes).idx;
 }
 
 BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes,
@@ -203,8 +265,8 @@ BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> 
       if (count_bytes) plan.bin_bytes[plan.bin_idx[i]] += sizes[i];
     }
   }
-  const std::vector<int64_t> tensors = tensor_order_by_size_desc(is_bytes, sizes);
-  greedy_assign(tensors, sizes, plan.bin_bytes, plan.bin_idx);
+  const SortedItems tensors = sort_tensor_items(is_bytes, sizes);
+  greedy_assign(tensors, plan.bin_bytes, plan.bin_idx);
   if (balance == Balance::kRefined) refine(sizes, plan.bin_bytes, plan.bin_idx);
 
   // Each bin: its byte items in input order, then its tensors in descending-size (assignment) order.
@@ -216,7 +278,7 @@ BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> 
   for (int64_t i = 0; i < num_items; ++i) {
     if (is_bytes[i]) plan.order[cursor[plan.bin_idx[i]]++] = i;
   }
-  for (int64_t i : tensors) plan.order[cursor[plan.bin_idx[i]]++] = i;
+  for (int64_t i : tensors.idx) plan.order[cursor[plan.bin_idx[i]]++] = i;
   return plan;
 }
 

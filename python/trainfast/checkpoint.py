@@ -114,11 +114,13 @@ def write_item_sizes(
     Tensor sizes are ``prod(shape) * element_size`` as upstream's ``_item_size``; a BYTE_IO item's
     size is ``bytes_io_data.nbytes`` when ``count_bytes`` and known, else 0.
     """
+    import torch
+
     check_choice(sizing, "sizing", _SIZINGS)
     is_bytes, sizes = _core.checkpoint_write_item_sizes(
         _check_items(items), _byte_io_type(), _element_sizes(), sizing == "global", bool(count_bytes)
     )
-    return to_tensor(is_bytes).bool(), to_tensor(sizes)
+    return to_tensor(is_bytes).view(torch.bool), to_tensor(sizes)
 
 
 def assign_bins(is_bytes: Any, sizes: Any, bins: int, *, balance: Balance = "upstream") -> BinAssignment:
