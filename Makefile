@@ -4,11 +4,11 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip -q
 CONSTRAINTS := .ci/constraints.txt
-BUILD_DEPS := scikit-build-core pybind11
+BUILD_DEPS := scikit-build-core pybind11 ninja
 TEST_DEPS := pytest hypothesis regex megatron-core
 BENCH_DEPS := tokenizers tiktoken rustbpe
 
-.PHONY: demo test bench install dev fuzz clean
+.PHONY: demo test bench install dev fuzz test-sanitize clean
 
 $(VENV)/.deps: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,20 @@ dev: $(VENV)/.deps
 	  -DPython_EXECUTABLE=$$(realpath $(VPY)) >/dev/null
 	cmake --build build/dev
 	cp build/dev/_core*.so python/trainfast/
+
+# The whole suite against an extension built with -fsanitize=address,undefined (no recovery).
+SAN_DIR := build/sanitize
+SAN_ENV := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	PYTHONPATH=$(SAN_DIR)/pkg
+test-sanitize: $(VENV)/.deps
+	cmake -S . -B $(SAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTRAINFAST_SANITIZE=ON \
+	  -Dpybind11_DIR=$$($(VPY) -c 'import pybind11; print(pybind11.get_cmake_dir())') \
+	  -DPython_EXECUTABLE=$$(realpath $(VPY)) >/dev/null
+	cmake --build $(SAN_DIR)
+	rm -rf $(SAN_DIR)/pkg && mkdir -p $(SAN_DIR)/pkg && cp -r python/trainfast $(SAN_DIR)/pkg/
+	rm -f $(SAN_DIR)/pkg/trainfast/_core*.so && cp $(SAN_DIR)/_core*.so $(SAN_DIR)/pkg/trainfast/
+	$(SAN_ENV) $(VPY) -m pytest tests $(SANITIZE_PYTEST_ARGS)
 
 clean:
 	rm -rf build $(VENV) python/trainfast/_core*.so

@@ -26,3 +26,10 @@ def shared_dir() -> Path:
     if not SHARED_DIR.is_dir():
         pytest.fail(f"test data directory {SHARED_DIR} is missing (set TRAINFAST_SHARED)")
     return SHARED_DIR
+
+
+def pytest_report_header(config):
+    import trainfast
+    from trainfast import _core
+
+    return f"trainfast {trainfast.__version__} from {Path(_core.__file__).resolve()}"

@@ -1,0 +1,64 @@
+"""Many Python threads at once, fork() after a call, thread-count determinism, for every kernel.
+
+Each kernel registers a zero-argument callable returning a comparable result in CALLS.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from trainfast import checkpoint
+
+
+def _checkpoint_call():
+    rng = np.random.default_rng(7)
+    is_bytes = rng.random(50_000) < 0.05
+    sizes = rng.integers(0, 1 << 30, 50_000)
+    plan = checkpoint.assign_bins(is_bytes, sizes, 8)
+    return tuple(t.tolist() for t in plan)
+
+
+CALLS = {"checkpoint.assign_bins": _checkpoint_call}
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_threads_get_the_sequential_answer(name):
+    call = CALLS[name]
+    expected = call()
+    results: list = [None] * 8
+    errors: list = []
+
+    def worker(slot: int) -> None:
+        try:
+            results[slot] = call()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(results))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "deadlock: a thread did not finish"
+    assert errors == []
+    assert all(result == expected for result in results)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_calls_work_after_fork(name):
+    call = CALLS[name]
+    expected = call()
+    pid = os.fork()
+    if pid == 0:  # child: no worker thread may have survived the fork
+        try:
+            os._exit(0 if call() == expected else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
