@@ -26,7 +26,9 @@ Two APIs:
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -61,38 +63,49 @@ __all__ = [
 
 # --- Megatron's dataclasses (its own when importable) -------------------------------------------
 
-try:  # megatron-core >= the param_layout refactor
-    from megatron.core.optimizer.param_layout import (  # type: ignore[import-not-found]
-        BufferKey,
-        FullParamLayout,
-        PerBufferParamLayout,
-    )
-except ImportError:  # same fields as upstream's
+@dataclass(frozen=True)
+class BufferKey:
+    """Identifies one contiguous buffer: storage dtype, grad dtype, expert-parallel flag (megatron's
+    own class is used instead when megatron-core has it)."""
 
-    @dataclass(frozen=True)
-    class BufferKey:  # type: ignore[no-redef]
-        """Identifies one contiguous buffer: storage dtype, grad dtype, expert-parallel flag."""
+    param_dtype: Any
+    grad_dtype: Any
+    is_expert_parallel: bool
+    is_managed_by_layer_wise_optimizer: bool = False
 
-        param_dtype: Any
-        grad_dtype: Any
-        is_expert_parallel: bool
-        is_managed_by_layer_wise_optimizer: bool = False
 
-    @dataclass
-    class PerBufferParamLayout:  # type: ignore[no-redef]
-        """param_index_map {param: (start, end, bucket_id)}, bucket_indices, unpadded sizes."""
+@dataclass
+class PerBufferParamLayout:
+    """param_index_map {param: (start, end, bucket_id)}, bucket_indices, unpadded sizes."""
 
-        param_index_map: dict = field(default_factory=dict)
-        bucket_indices: list = field(default_factory=list)
-        per_bucket_numel_unpadded: list = field(default_factory=list)
-        param_indices: list = field(default_factory=list)
-        num_optimizer_shards: int | None = None
+    param_index_map: dict = field(default_factory=dict)
+    bucket_indices: list = field(default_factory=list)
+    per_bucket_numel_unpadded: list = field(default_factory=list)
+    param_indices: list = field(default_factory=list)
+    num_optimizer_shards: int | None = None
 
-    @dataclass
-    class FullParamLayout:  # type: ignore[no-redef]
-        """{BufferKey: PerBufferParamLayout} for one model chunk."""
 
-        layouts: dict = field(default_factory=dict)
+@dataclass
+class FullParamLayout:
+    """{BufferKey: PerBufferParamLayout} for one model chunk."""
+
+    layouts: dict = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=1)
+def _dataclasses() -> tuple[Any, Any, Any]:
+    """(BufferKey, PerBufferParamLayout, FullParamLayout): megatron's own when it has them."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is not None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # megatron's import-time notices (no TE/Apex, ...)
+                from megatron.core.optimizer import param_layout  # type: ignore[import-not-found]
+            return param_layout.BufferKey, param_layout.PerBufferParamLayout, param_layout.FullParamLayout
+        except ImportError:
+            pass
+    return BufferKey, PerBufferParamLayout, FullParamLayout
 
 
 def default_bucket_size(data_parallel_world_size: int) -> int:
@@ -355,6 +368,10 @@ def partition_bucket_indices(
 
 def _quantized_predicates() -> list:
     predicates = []
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        return predicates
     try:
         from megatron.core import fp8_utils
 
@@ -436,9 +453,10 @@ def group_params_for_buffers(params: Any, grad_reduce_in_fp32: bool) -> dict:
 
 
 def _make_key(param_dtype: Any, grad_dtype: Any, is_expert: bool, layer_wise: bool) -> Any:
-    if layer_wise or "is_managed_by_layer_wise_optimizer" in getattr(BufferKey, "__dataclass_fields__", {}):
-        return BufferKey(param_dtype, grad_dtype, is_expert, layer_wise)
-    return BufferKey(param_dtype, grad_dtype, is_expert)
+    key_type = _dataclasses()[0]
+    if layer_wise or "is_managed_by_layer_wise_optimizer" in getattr(key_type, "__dataclass_fields__", {}):
+        return key_type(param_dtype, grad_dtype, is_expert, layer_wise)
+    return key_type(param_dtype, grad_dtype, is_expert)
 
 
 def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any) -> Any:
@@ -447,7 +465,7 @@ def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any)
     ends = layout.param_end.tolist()
     ids = layout.bucket_id.tolist()
     index_map = {params[i]: (starts[i], ends[i], ids[i]) for i in range(len(params) - 1, -1, -1)}
-    return PerBufferParamLayout(
+    return _dataclasses()[1](
         param_index_map=index_map,
         bucket_indices=[tuple(pair) for pair in layout.bucket_indices.tolist()],
         per_bucket_numel_unpadded=layout.per_bucket_numel_unpadded.tolist(),
@@ -505,7 +523,7 @@ def compute_full_param_layout(
     for key, (buffer_params, indices) in grouped.items():
         world = expert_dp if key.is_expert_parallel else dp
         layouts[key] = compute_per_buffer_param_layout(buffer_params, bucket_size, world, ddp_config, indices)
-    return FullParamLayout(layouts=layouts)
+    return _dataclasses()[2](layouts=layouts)
 
 
 def partition_buckets(buffers: Any, force_single_bucket_group: bool = False) -> list:
