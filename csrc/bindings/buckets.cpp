@@ -12,6 +12,14 @@
 namespace trainfast::bindings {
 namespace {
 
+// Zero-copy NumPy array owning a vector with any allocator.
+template <typename T, typename A>
+py::array_t<T> owned_array(std::vector<T, A>&& values, std::vector<py::ssize_t> shape) {
+  auto* owned = new std::vector<T, A>(std::move(values));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T, A>*>(p); });
+  return py::array_t<T>(shape, owned->data(), free_when_done);
+}
+
 std::span<const int64_t> span_2col(const CArray<int64_t>& array, const char* name) {
   if (array.ndim() != 2 || array.shape(1) != 2) {
     throw py::value_error(std::string(name) + " must have shape [num_buckets, 2]");
@@ -42,7 +50,7 @@ py::tuple plan_layout(const CArray<int64_t>& numels, const CArray<uint8_t>& shar
 py::tuple shard_ranges(const CArray<int64_t>& param_start, const CArray<int64_t>& param_end,
                        const CArray<int64_t>& bucket_id, const CArray<int64_t>& bucket_indices,
                        int64_t data_parallel_world_size, int64_t rank_begin, int64_t rank_end,
-                       int num_threads) {
+                       bool reverse_order, int num_threads) {
   const auto starts = span_1d(param_start, "param_start");
   const auto ends = span_1d(param_end, "param_end");
   const auto ids = span_1d(bucket_id, "bucket_id");
@@ -52,14 +60,15 @@ py::tuple shard_ranges(const CArray<int64_t>& param_start, const CArray<int64_t>
     py::gil_scoped_release release;
     Interrupt interrupt = python_interrupt();
     ranges = buckets::shard_ranges(starts, ends, ids, buckets_span, data_parallel_world_size, rank_begin,
-                                   rank_end, num_threads, &interrupt);
+                                   rank_end, reverse_order, num_threads, &interrupt);
   }
   const auto rows = static_cast<py::ssize_t>(ranges.rank.size());
-  return py::make_tuple(to_numpy(std::move(ranges.rank)), to_numpy(std::move(ranges.bucket)),
-                        to_numpy(std::move(ranges.param)), to_numpy(std::move(ranges.gbuf_world), {rows, 2}),
-                        to_numpy(std::move(ranges.gbuf_world_in_bucket), {rows, 2}),
-                        to_numpy(std::move(ranges.gbuf_local), {rows, 2}),
-                        to_numpy(std::move(ranges.param_range), {rows, 2}));
+  return py::make_tuple(owned_array(std::move(ranges.rank), {rows}), owned_array(std::move(ranges.bucket), {rows}),
+                        owned_array(std::move(ranges.param), {rows}),
+                        owned_array(std::move(ranges.gbuf_world), {rows, 2}),
+                        owned_array(std::move(ranges.gbuf_world_in_bucket), {rows, 2}),
+                        owned_array(std::move(ranges.gbuf_local), {rows, 2}),
+                        owned_array(std::move(ranges.param_range), {rows, 2}));
 }
 
 py::tuple partition(const CArray<uint8_t>& is_uint8, const CArray<int64_t>& num_buckets,
@@ -138,9 +147,9 @@ void register_buckets(py::module_& m) {
   m.def("buckets_shard_ranges", &shard_ranges, py::arg("param_start").noconvert(),
         py::arg("param_end").noconvert(), py::arg("bucket_id").noconvert(),
         py::arg("bucket_indices").noconvert(), py::arg("data_parallel_world_size"), py::arg("rank_begin"),
-        py::arg("rank_end"), py::arg("num_threads"),
-        "Layout-order arrays in; returns (rank, bucket, position, gbuf_world, gbuf_world_in_bucket, "
-        "gbuf_local, param_range).");
+        py::arg("rank_end"), py::arg("reverse_order"), py::arg("num_threads"),
+        "Returns (rank, bucket, param index, gbuf_world, gbuf_world_in_bucket, gbuf_local, param_range); "
+        "layout order is the arrays' order, reversed when reverse_order.");
   m.def("buckets_partition", &partition, py::arg("is_uint8").noconvert(), py::arg("num_buckets").noconvert(),
         py::arg("force_single_bucket_group"), py::arg("reduce_scatter_with_fp32_accumulation"),
         "Returns (group_offsets[G+1], members[M,2] of (buffer, bucket)).");

@@ -110,16 +110,16 @@ Layout plan_layout(std::span<const int64_t> numels, std::span<const uint8_t> sha
   return out;
 }
 
-ShardRanges shard_ranges(std::span<const int64_t> param_start, std::span<const int64_t> param_end,
-                         std::span<const int64_t> bucket_id, std::span<const int64_t> bucket_indices,
+ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<const int64_t> param_end_in,
+                         std::span<const int64_t> bucket_id_in, std::span<const int64_t> bucket_indices,
                          int64_t data_parallel_world_size, int64_t rank_begin, int64_t rank_end,
-                         int num_threads, Interrupt* interrupt) {
+                         bool reverse_order, int num_threads, Interrupt* interrupt) {
   const int64_t dp = data_parallel_world_size;
   TF_CHECK_ARG(dp > 0, "data_parallel_world_size", dp, "must be positive");
   TF_CHECK_ARG(rank_begin >= 0 && rank_begin <= rank_end, "rank", rank_begin, "must be non-negative");
   TF_CHECK_ARG(rank_end <= dp, "rank", rank_end - 1, "must be < data_parallel_world_size");
-  const int64_t n = static_cast<int64_t>(param_start.size());
-  TF_CHECK_ARG(static_cast<int64_t>(param_end.size()) == n && static_cast<int64_t>(bucket_id.size()) == n,
+  const int64_t n = static_cast<int64_t>(param_start_in.size());
+  TF_CHECK_ARG(static_cast<int64_t>(param_end_in.size()) == n && static_cast<int64_t>(bucket_id_in.size()) == n,
                "layout", "param_start/param_end/bucket_id lengths", "must match");
   TF_CHECK_ARG(bucket_indices.size() % 2 == 0, "bucket_indices", bucket_indices.size(),
                "must have shape [num_buckets, 2]");
@@ -130,55 +130,64 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start, std::span<const i
     TF_CHECK_ARG((end - start) % dp == 0, "data_parallel_world_size", dp,
                  "must divide every bucket's padded size (Megatron asserts this)");
   }
-  // Params arrive in layout order: bucket ids non-decreasing, params disjoint and ascending.
+  // Layout position k reads input index at(k).
+  auto at = [&](int64_t k) { return reverse_order ? n - 1 - k : k; };
+  auto start_of = [&](int64_t k) { return param_start_in[at(k)]; };
+  auto end_of = [&](int64_t k) { return param_end_in[at(k)]; };
+  auto bucket_of = [&](int64_t k) { return bucket_id_in[at(k)]; };
+  // In layout order: bucket ids non-decreasing, params inside their bucket, disjoint and ascending.
   std::vector<int64_t> nonempty_prefix(n + 1, 0);
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t b = bucket_id[k], s = param_start[k], e = param_end[k];
+    const int64_t b = bucket_of(k), s = start_of(k), e = end_of(k);
     TF_CHECK_ARG(b >= 0 && b < num_buckets, "bucket_id", b, "must index bucket_indices");
-    TF_CHECK_ARG(k == 0 || b >= bucket_id[k - 1], "bucket_id", b, "must be non-decreasing in layout order");
+    TF_CHECK_ARG(k == 0 || b >= bucket_of(k - 1), "bucket_id", b, "must be non-decreasing in layout order");
     TF_CHECK_ARG(s <= e && s >= bucket_indices[2 * b] && e <= bucket_indices[2 * b + 1], "param_start", s,
                  "must lie inside the param's bucket");
-    TF_CHECK_ARG(k == 0 || bucket_id[k - 1] != b || s >= param_end[k - 1], "param_start", s,
+    TF_CHECK_ARG(k == 0 || bucket_of(k - 1) != b || s >= end_of(k - 1), "param_start", s,
                  "must not overlap the previous param of its bucket");
     nonempty_prefix[k + 1] = nonempty_prefix[k] + (e > s ? 1 : 0);
   }
   // bucket_first[b]: first layout position whose bucket id is >= b.
   std::vector<int64_t> bucket_first(num_buckets + 1, n);
-  for (int64_t k = n - 1; k >= 0; --k) bucket_first[bucket_id[k]] = k;
+  for (int64_t k = n - 1; k >= 0; --k) bucket_first[bucket_of(k)] = k;
   for (int64_t b = num_buckets - 1; b >= 0; --b) bucket_first[b] = std::min(bucket_first[b], bucket_first[b + 1]);
 
+  // The run [lo, hi) of layout positions that overlap rank r's shard of bucket b (binary search:
+  // ends and starts ascend inside a bucket).
+  auto run_of = [&](int64_t b, int64_t r) {
+    const int64_t offset = bucket_indices[2 * b];
+    const int64_t shard = (bucket_indices[2 * b + 1] - offset) / dp;
+    const int64_t world_start = offset + r * shard, world_end = world_start + shard;
+    int64_t lo = bucket_first[b], hi = bucket_first[b + 1];
+    int64_t a = lo, z = hi;
+    while (a < z) {  // first position whose end > world_start
+      const int64_t mid = a + (z - a) / 2;
+      if (end_of(mid) <= world_start) a = mid + 1; else z = mid;
+    }
+    lo = a;
+    z = hi;
+    while (a < z) {  // first position whose start >= world_end
+      const int64_t mid = a + (z - a) / 2;
+      if (start_of(mid) < world_end) a = mid + 1; else z = mid;
+    }
+    return std::pair<int64_t, int64_t>{lo, a};
+  };
+
   const int64_t num_ranks = rank_end - rank_begin;
-  // lo/hi: the run of layout positions each (bucket, rank) shard overlaps.
-  std::vector<int64_t> lo(static_cast<size_t>(num_buckets) * num_ranks);
-  std::vector<int64_t> hi(lo.size());
-  parallel_for(num_buckets, 16, num_threads, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      const int64_t offset = bucket_indices[2 * b];
-      const int64_t shard = (bucket_indices[2 * b + 1] - offset) / dp;
-      int64_t first = bucket_first[b], last = first;
-      const int64_t stop = bucket_first[b + 1];
-      for (int64_t r = rank_begin; r < rank_end; ++r) {
-        const int64_t world_start = offset + r * shard, world_end = world_start + shard;
-        while (first < stop && param_end[first] <= world_start) ++first;
-        last = std::max(last, first);
-        while (last < stop && param_start[last] < world_end) ++last;
-        lo[b * num_ranks + (r - rank_begin)] = first;
-        hi[b * num_ranks + (r - rank_begin)] = last;
+  std::vector<int64_t> rank_rows(num_ranks + 1, 0);
+  parallel_for(num_ranks, 4, num_threads, [&](int64_t r_begin, int64_t r_end) {
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      int64_t count = 0;
+      for (int64_t b = 0; b < num_buckets; ++b) {
+        const auto [lo, hi] = run_of(b, r + rank_begin);
+        count += nonempty_prefix[hi] - nonempty_prefix[lo];
       }
+      rank_rows[r + 1] = count;
     }
   }, interrupt);
+  for (int64_t r = 0; r < num_ranks; ++r) rank_rows[r + 1] += rank_rows[r];
 
-  // Row offsets in (rank, bucket) order.
-  std::vector<int64_t> row_offset(static_cast<size_t>(num_ranks) * num_buckets + 1, 0);
-  for (int64_t r = 0; r < num_ranks; ++r) {
-    for (int64_t b = 0; b < num_buckets; ++b) {
-      const size_t cell = static_cast<size_t>(b) * num_ranks + r;
-      const int64_t count = nonempty_prefix[hi[cell]] - nonempty_prefix[lo[cell]];
-      const size_t at = static_cast<size_t>(r) * num_buckets + b;
-      row_offset[at + 1] = row_offset[at] + count;
-    }
-  }
-  const int64_t num_rows = row_offset.back();
+  const int64_t num_rows = rank_rows.back();
   ShardRanges out;
   out.rank.resize(num_rows);
   out.bucket.resize(num_rows);
@@ -187,29 +196,30 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start, std::span<const i
   out.gbuf_world_in_bucket.resize(2 * num_rows);
   out.gbuf_local.resize(2 * num_rows);
   out.param_range.resize(2 * num_rows);
-  parallel_for(num_ranks, 1, num_threads, [&](int64_t r_begin, int64_t r_end) {
+  parallel_for(num_ranks, 4, num_threads, [&](int64_t r_begin, int64_t r_end) {
     for (int64_t r = r_begin; r < r_end; ++r) {
+      int64_t row = rank_rows[r];
+      const int64_t rank = r + rank_begin;
       for (int64_t b = 0; b < num_buckets; ++b) {
         const int64_t offset = bucket_indices[2 * b];
         const int64_t shard = (bucket_indices[2 * b + 1] - offset) / dp;
-        const int64_t world_start = offset + (r + rank_begin) * shard;
-        const size_t cell = static_cast<size_t>(b) * num_ranks + r;
-        int64_t row = row_offset[static_cast<size_t>(r) * num_buckets + b];
-        for (int64_t k = lo[cell]; k < hi[cell]; ++k) {
-          const int64_t s = param_start[k], e = param_end[k];
+        const int64_t world_start = offset + rank * shard;
+        const auto [lo, hi] = run_of(b, rank);
+        for (int64_t k = lo; k < hi; ++k) {
+          const int64_t s = start_of(k), e = end_of(k);
           if (e <= s) continue;
           const int64_t local_start = std::max<int64_t>(0, s - world_start);
           const int64_t local_end = std::min(shard, e - world_start);
-          out.rank[row] = r + rank_begin;
+          const int64_t sub_start = std::max<int64_t>(0, world_start - s);
+          out.rank[row] = rank;
           out.bucket[row] = b;
-          out.param[row] = k;
+          out.param[row] = at(k);
           out.gbuf_local[2 * row] = local_start;
           out.gbuf_local[2 * row + 1] = local_end;
           out.gbuf_world[2 * row] = local_start + world_start;
           out.gbuf_world[2 * row + 1] = local_end + world_start;
           out.gbuf_world_in_bucket[2 * row] = local_start + world_start - offset;
           out.gbuf_world_in_bucket[2 * row + 1] = local_end + world_start - offset;
-          const int64_t sub_start = std::max<int64_t>(0, world_start - s);
           out.param_range[2 * row] = sub_start;
           out.param_range[2 * row + 1] = sub_start + (local_end - local_start);
           ++row;

@@ -4,7 +4,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "common/parallel.h"
@@ -40,22 +42,43 @@ int64_t pad_to_divisor(int64_t value, int64_t divisor);
 // lcm(dp, 128) or lcm(dp, 128, 2**16): the bucket-end divisor of the distributed optimizer.
 int64_t bucket_end_divisor(int64_t data_parallel_world_size, bool pad_for_high_nccl_busbw);
 
+// Leaves new elements uninitialised: big outputs are written once, by the worker threads.
+template <typename T>
+struct NoInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = NoInitAllocator<U>;
+  };
+  NoInitAllocator() = default;
+  template <typename U>
+  NoInitAllocator(const NoInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using Int64Buffer = std::vector<int64_t, NoInitAllocator<int64_t>>;
+
 struct ShardRanges {
   // One row per (rank, bucket, owned param), ordered by rank, bucket, then layout order.
-  std::vector<int64_t> rank, bucket, param;  // [n]; param is the model-order index
-  std::vector<int64_t> gbuf_world;            // [n * 2]
-  std::vector<int64_t> gbuf_world_in_bucket;  // [n * 2]
-  std::vector<int64_t> gbuf_local;            // [n * 2]
-  std::vector<int64_t> param_range;           // [n * 2]
-  std::vector<int64_t> rank_shard_numel;      // [num_ranks] elements each listed rank owns
+  Int64Buffer rank, bucket, param;  // [n]; param indexes the input arrays
+  Int64Buffer gbuf_world;            // [n * 2]
+  Int64Buffer gbuf_world_in_bucket;  // [n * 2]
+  Int64Buffer gbuf_local;            // [n * 2]
+  Int64Buffer param_range;           // [n * 2]
 };
 
-// Shard ranges of ranks [rank_begin, rank_end) of a layout given as arrays (as plan_layout returns).
-// Every bucket's padded size must divide by data_parallel_world_size.
+// Shard ranges of ranks [rank_begin, rank_end) of a layout given as arrays. Layout order is the
+// arrays' order, or their reverse when `reverse_order` (plan_layout's model-order output). Every
+// bucket's padded size must divide by data_parallel_world_size.
 ShardRanges shard_ranges(std::span<const int64_t> param_start, std::span<const int64_t> param_end,
                          std::span<const int64_t> bucket_id, std::span<const int64_t> bucket_indices,
                          int64_t data_parallel_world_size, int64_t rank_begin, int64_t rank_end,
-                         int num_threads, Interrupt* interrupt = nullptr);
+                         bool reverse_order, int num_threads, Interrupt* interrupt = nullptr);
 
 struct BucketGroups {
   std::vector<int64_t> group_offsets;  // [num_groups + 1]

@@ -35,6 +35,7 @@ def buckets_shard_ranges(
     data_parallel_world_size: int,
     rank_begin: int,
     rank_end: int,
+    reverse_order: bool,
     num_threads: int,
 ) -> tuple[_I64, _I64, _I64, _I64, _I64, _I64, _I64]: ...
 def buckets_partition(

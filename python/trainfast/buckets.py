@@ -306,15 +306,12 @@ def shard_ranges(
             raise ValueError(f"rank must be < data_parallel_world_size={dp} (got {rank})")
         rank_begin, rank_end = rank, rank + 1
     threads = resolve_num_threads(num_threads)
-    # Megatron's layouts run in reverse model order: hand the core layout-order arrays.
-    starts = np.ascontiguousarray(layout.param_start.numpy()[::-1])
-    ends = np.ascontiguousarray(layout.param_end.numpy()[::-1])
-    ids = np.ascontiguousarray(layout.bucket_id.numpy()[::-1])
-    ranks, buckets, position, world, in_bucket, local, sub = _core.buckets_shard_ranges(
-        starts, ends, ids, np.ascontiguousarray(layout.bucket_indices.numpy()), dp, rank_begin, rank_end, threads
+    # Megatron's layouts run in reverse model order: the core reads the arrays backwards.
+    arrays = _core.buckets_shard_ranges(
+        layout.param_start.numpy(), layout.param_end.numpy(), layout.bucket_id.numpy(),
+        layout.bucket_indices.numpy(), dp, rank_begin, rank_end, True, threads,
     )
-    model_index = (layout.num_params - 1) - position
-    return ShardRangeTable(*(to_tensor(a) for a in (ranks, buckets, model_index, world, in_bucket, local, sub)))
+    return ShardRangeTable(*(to_tensor(a) for a in arrays))
 
 
 class BucketGroups(NamedTuple):
