@@ -518,3 +518,42 @@ def test_empty_model():
     layout = buckets.plan_layout(np.zeros(0, dtype=np.int64), data_parallel_world_size=8)
     assert layout.numel == 0 and layout.num_buckets == 0
     assert len(buckets.shard_ranges(layout, 8).rank) == 0
+
+
+# --- CLI ----------------------------------------------------------------------------------------------
+
+
+def test_cli_json_spec(tmp_path, capsys):
+    import json
+
+    from trainfast.cli import main
+
+    spec = {"params": [{"name": "emb", "shape": [1000, 8], "shared_embedding": True},
+                       {"name": "w", "numel": 5000}, {"name": "e0", "shape": [64, 64], "expert": True},
+                       {"name": "head", "shape": [1000, 8], "shared_embedding": True}]}
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(spec))
+    assert main(["buckets", "--model", str(path), "--dp", "4", "--bucket-size", "6000"]) == 0
+    out = capsys.readouterr().out
+    assert "[dense buffer]" in out and "[expert buffer]" in out and "3 params in 3 buckets" in out
+    assert main(["buckets", "--model", "gpt", "--layers", "2", "--dp", "8", "--bucket-size", "none"]) == 0
+    assert "23 params in 3 buckets" in capsys.readouterr().out  # tied embedding + output sit alone
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    from trainfast.cli import main
+
+    assert main(["buckets", "--model", "gpt", "--dp", "0"]) == 2
+    assert main(["buckets", "--model", "gpt", "--bucket-size", "-4"]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"name": "x"}]')
+    assert main(["buckets", "--model", str(bad)]) == 2
+
+
+def test_builtin_specs():
+    from trainfast.cli.buckets import deepseek_v3_spec, gpt_spec
+
+    spec = deepseek_v3_spec()
+    assert 44_000 < len(spec.numels) < 46_000 and sum(spec.expert) == 58 * 256 * 3
+    assert spec.shared_embedding[0] and spec.shared_embedding[-1] and sum(spec.shared_embedding) == 2
+    assert len(gpt_spec(2).numels) == 23
