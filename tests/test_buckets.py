@@ -557,3 +557,50 @@ def test_builtin_specs():
     assert 44_000 < len(spec.numels) < 46_000 and sum(spec.expert) == 58 * 256 * 3
     assert spec.shared_embedding[0] and spec.shared_embedding[-1] and sum(spec.shared_embedding) == 2
     assert len(gpt_spec(2).numels) == 23
+
+
+def test_patch_swaps_newer_layout_entry_points(monkeypatch):
+    """megatron-core 0.16 has no separate layout functions; newer releases do. Install stand-ins
+    written from upstream's semantics where newer releases define them, and check patch() swaps them
+    (module functions and DistributedOptimizer staticmethods) with identical results."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    from trainfast.integrations import megatron
+
+    def upstream_default(params, bucket_size):
+        starts, ends, ids, bucket_indices, unpadded = ref.layout([p.numel() for p in params], None, bucket_size,
+                                                                 1, distopt=False)
+        index_map = {params[i]: (starts[i], ends[i], ids[i]) for i in reversed(range(len(params)))}
+        return buckets.PerBufferParamLayout(index_map, bucket_indices, unpadded)
+
+    def upstream_per_buffer(params, bucket_size, data_parallel_world_size, ddp_config, param_indices=None):
+        starts, ends, ids, bucket_indices, unpadded = ref.layout(
+            [p.numel() for p in params], [getattr(p, "shared_embedding", False) for p in params], bucket_size,
+            data_parallel_world_size, busbw=ddp_config.pad_buckets_for_high_nccl_busbw)
+        index_map = {params[i]: (starts[i], ends[i], ids[i]) for i in reversed(range(len(params)))}
+        return buckets.PerBufferParamLayout(index_map, bucket_indices, unpadded, list(param_indices or []))
+
+    monkeypatch.setattr(megatron_pgb, "_compute_default_per_buffer_param_layout", upstream_default, raising=False)
+    monkeypatch.setattr(distrib_optimizer.DistributedOptimizer, "_compute_per_buffer_param_layout",
+                        staticmethod(upstream_per_buffer), raising=False)
+    rng = random.Random(11)
+    params = make_params(rng, 40, shared_ends=True)
+    config = types.SimpleNamespace(pad_buckets_for_high_nccl_busbw=True, grad_reduce_in_fp32=True)
+    D = distrib_optimizer.DistributedOptimizer
+    expected = (megatron_pgb._compute_default_per_buffer_param_layout(params, 5000),
+                D._compute_per_buffer_param_layout(params, 5000, 64, config, list(range(40))))
+    patched = megatron.patch()
+    try:
+        assert f"{megatron_pgb.__name__}._compute_default_per_buffer_param_layout" in patched
+        assert f"{distrib_optimizer.__name__}.DistributedOptimizer._compute_per_buffer_param_layout" in patched
+        assert isinstance(D.__dict__["_compute_per_buffer_param_layout"], staticmethod)
+        got = (megatron_pgb._compute_default_per_buffer_param_layout(params, 5000),
+               D._compute_per_buffer_param_layout(params, 5000, 64, config, list(range(40))))
+    finally:
+        megatron.unpatch()
+    for want, have in zip(expected, got):
+        assert list(have.param_index_map.items()) == list(want.param_index_map.items())
+        assert have.bucket_indices == want.bucket_indices
+        assert have.per_bucket_numel_unpadded == want.per_bucket_numel_unpadded
+        assert have.param_indices == want.param_indices
+    assert D.__dict__["_compute_per_buffer_param_layout"].__func__ is upstream_per_buffer

@@ -552,11 +552,13 @@ def partition_buckets(buffers: Any, force_single_bucket_group: bool = False) -> 
                 )
     flags = np.fromiter((b.param_dtype == torch.uint8 for b in buffer_list), dtype=np.uint8, count=len(buffer_list))
     counts = np.fromiter((len(b.buckets) for b in buffer_list), dtype=np.int64, count=len(buffer_list))
-    plan = partition_bucket_indices(flags, counts, force_single_bucket_group=force_single_bucket_group)
-    # Upstream builds every group with the last buffer it looked at (the first, or the fp8 one, or each).
+    offsets, pairs = _core.buckets_partition(flags, counts, bool(force_single_bucket_group), False)
+    offsets, pairs = offsets.tolist(), pairs.tolist()
     uint8_index = int(np.flatnonzero(flags)[0]) if flags.any() else None
     groups = []
-    for members in plan.groups():
+    for g in range(len(offsets) - 1):
+        members = pairs[offsets[g]: offsets[g + 1]]
+        # Upstream builds each group with the buffer its loop left behind: the first, the last, or its own.
         if force_single_bucket_group:
             owner = buffer_list[0]
         elif uint8_index is not None:
