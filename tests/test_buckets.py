@@ -231,9 +231,14 @@ def test_group_params_for_buffers_matches_oracle(monkeypatch):
             assert indices == want_indices
 
 
-def test_per_buffer_and_full_layout_dropins():
-    rng = random.Random(5)
+@pytest.mark.parametrize("seed", range(4))
+def test_per_buffer_and_full_layout_dropins(seed, monkeypatch):
+    from megatron.core import fp8_utils
+
+    rng = random.Random(5 + seed)
     params = make_params(rng, 60, dtypes=(torch.bfloat16, torch.float32), experts=True, shared_ends=True)
+    fp8 = {id(p) for p in params if rng.random() < 0.25}
+    monkeypatch.setattr(fp8_utils, "is_float8tensor", lambda t: id(t) in fp8)
     config = types.SimpleNamespace(grad_reduce_in_fp32=False, pad_buckets_for_high_nccl_busbw=False)
     layout = buckets.compute_per_buffer_param_layout(params, 20000, 8, config, param_indices=list(range(60)))
     starts, ends, ids, bucket_indices, unpadded = ref.layout(
@@ -249,9 +254,11 @@ def test_per_buffer_and_full_layout_dropins():
     assert [default.param_index_map[p] for p in params] == list(zip(d_starts, d_ends, d_ids))
     assert default.bucket_indices == d_buckets
 
+    config.grad_reduce_in_fp32 = bool(seed % 2)
     full = buckets.compute_full_param_layout(params, 20000, 8, config, expert_data_parallel_world_size=2)
-    grouped = buckets.group_params_for_buffers(params, False)
+    grouped = buckets.group_params_for_buffers(params, config.grad_reduce_in_fp32)
     assert list(full.layouts) == list(grouped)
+    assert any(key.param_dtype == torch.uint8 for key in grouped) == bool(fp8)
     for key, per_buffer in full.layouts.items():
         plist, indices = grouped[key]
         world = 2 if key.is_expert_parallel else 8

@@ -176,7 +176,7 @@ class ParamLayout:
         if sizes is not None:
             lines.append(
                 f"bucket sizes: min {_fmt_count(int(sizes.min()))}, max {_fmt_count(int(sizes.max()))}, "
-                f"mean {_fmt_count(int(sizes.float().mean()))} elements"
+                f"mean {_fmt_count(int(sizes.double().mean()))} elements"
             )
         if self.use_distributed_optimizer:
             shard = self.numel // dp
@@ -593,6 +593,8 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
     params' ranges, ``{"param_map": ...}``; computes only this rank's range (upstream builds all)."""
     group = param_and_grad_buffer.data_parallel_group
     rank, world = group.rank(), group.size()
+    if not 0 <= rank < world:
+        raise IndexError(f"data-parallel rank {rank} is outside a group of size {world}")
     bucket = param_and_grad_buffer.buckets[bucket_index]
     size = bucket.grad_data.numel()
     if size % world != 0:
