@@ -519,6 +519,14 @@ def test_dropin_bad_input():
     with pytest.raises(ValueError, match="shapes"):
         buckets.materialize(buckets.plan_layout([4]), [(3,)])
     assert isinstance(UpstreamAssertionError("x"), ValueError)
+    world = buckets._range_type()(0, 128)
+    with pytest.raises(ValueError, match="param_world_index_map"):
+        buckets.build_model_gbuf_param_range_map({"p": (0, 5)}, world, 0)
+    with pytest.raises(TypeError, match="param_world_index_map"):
+        buckets.build_model_gbuf_param_range_map({"p": ("a", 5, 0)}, world, 0)
+    with pytest.raises(TypeError, match="param_world_index_map"):
+        buckets.build_model_gbuf_param_range_map([("p", (0, 5, 0))], world, 0)
+    assert list(buckets.build_model_gbuf_param_range_map({"p": [0, 200, 0]}, world, 0)) == ["p"]
 
 
 def test_empty_model():

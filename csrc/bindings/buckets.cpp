@@ -112,15 +112,21 @@ py::dict param_range_map(const py::dict& param_world_index_map, int64_t world_st
   PyObject *key = nullptr, *value = nullptr;
   Py_ssize_t pos = 0;
   while (PyDict_Next(param_world_index_map.ptr(), &pos, &key, &value)) {
-    if (!PySequence_Check(value) || PySequence_Size(value) < 2) {
-      if (PyErr_Occurred()) PyErr_Clear();
-      throw py::type_error("param_world_index_map values must be (start, end, bucket_id) tuples");
+    int64_t start, end;
+    if (PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 3) {  // Megatron's own entries
+      start = as_int64(PyTuple_GET_ITEM(value, 0), "starts");
+      end = as_int64(PyTuple_GET_ITEM(value, 1), "ends");
+    } else {
+      if (!PySequence_Check(value) || PySequence_Size(value) != 3) {
+        if (PyErr_Occurred()) PyErr_Clear();
+        throw py::value_error("param_world_index_map values must be (start, end, bucket_id) triples");
+      }
+      py::object start_obj = py::reinterpret_steal<py::object>(PySequence_GetItem(value, 0));
+      py::object end_obj = py::reinterpret_steal<py::object>(PySequence_GetItem(value, 1));
+      if (!start_obj || !end_obj) throw py::error_already_set();
+      start = as_int64(start_obj.ptr(), "starts");
+      end = as_int64(end_obj.ptr(), "ends");
     }
-    py::object start_obj = py::reinterpret_steal<py::object>(PySequence_GetItem(value, 0));
-    py::object end_obj = py::reinterpret_steal<py::object>(PySequence_GetItem(value, 1));
-    if (!start_obj || !end_obj) throw py::error_already_set();
-    const int64_t start = as_int64(start_obj.ptr(), "starts");
-    const int64_t end = as_int64(end_obj.ptr(), "ends");
     const int64_t local_start = std::max<int64_t>(0, start - world_start);
     const int64_t local_end = std::min(world_size, end - world_start);
     if (local_end <= local_start) continue;
