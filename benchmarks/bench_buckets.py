@@ -180,7 +180,7 @@ def main() -> None:
                 layouts[name].bucket_id.tolist()[::-1]))
         buffer_list = list(built.values())
         _, t_mc_groups = timeit(lambda: [pgb.partition_buckets([b]) for b in buffer_list], repeats=repeats)
-        samples = 3 if args.quick else 5
+        samples = 3 if args.quick else 9
         calls = {name: len(b.buckets) * dp for name, b in built.items()}
         per_call = {name: time_range_calls(distopt, b, dp, samples) for name, b in built.items()}
         t_mc_ranges = sum(per_call[n] * calls[n] for n in built)

@@ -145,6 +145,8 @@ def test_layout_and_ranges_match_oracle(model):
     if distopt:
         table = buckets.shard_ranges(layout, dp, num_threads=3)
         assert rows(table) == ref.shard_ranges(*expected[:4], dp)
+        one = dp // 2
+        assert rows(buckets.shard_ranges(layout, dp, rank=one)) == [r for r in rows(table) if r[0] == one]
         # every padded element of every bucket is owned exactly once across ranks
         owned = int((table.gbuf_world[:, 1] - table.gbuf_world[:, 0]).sum()) if len(table.rank) else 0
         assert owned == sum(numels)

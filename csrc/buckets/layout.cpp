@@ -156,7 +156,6 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
   auto end_of = [&](int64_t k) { return param_end_in[at(k)]; };
   auto bucket_of = [&](int64_t k) { return bucket_id_in[at(k)]; };
   // In layout order: bucket ids non-decreasing, params inside their bucket, disjoint and ascending.
-  std::vector<int64_t> nonempty_prefix(n + 1, 0);
   for (int64_t k = 0; k < n; ++k) {
     const int64_t b = bucket_of(k), s = start_of(k), e = end_of(k);
     TF_CHECK_ARG(b >= 0 && b < num_buckets, "bucket_id", b, "must index bucket_indices");
@@ -165,47 +164,28 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
                  "must lie inside the param's bucket");
     TF_CHECK_ARG(k == 0 || bucket_of(k - 1) != b || s >= end_of(k - 1), "param_start", s,
                  "must not overlap the previous param of its bucket");
-    nonempty_prefix[k + 1] = nonempty_prefix[k] + (e > s ? 1 : 0);
   }
-  // bucket_first[b]: first layout position whose bucket id is >= b.
-  std::vector<int64_t> bucket_first(num_buckets + 1, n);
-  for (int64_t k = n - 1; k >= 0; --k) bucket_first[bucket_of(k)] = k;
-  for (int64_t b = num_buckets - 1; b >= 0; --b) bucket_first[b] = std::min(bucket_first[b], bucket_first[b + 1]);
-
-  // The run [lo, hi) of layout positions that overlap rank r's shard of bucket b (binary search:
-  // ends and starts ascend inside a bucket).
-  auto run_of = [&](int64_t b, int64_t r) {
+  const int64_t num_ranks = rank_end - rank_begin;
+  // A non-empty param [s, e) of a bucket at `offset` with shards of `shard` elements overlaps
+  // exactly the ranks (s - offset) / shard .. (e - 1 - offset) / shard.
+  auto rank_span = [&](int64_t k, int64_t* first, int64_t* last) {
+    const int64_t s = start_of(k), e = end_of(k), b = bucket_of(k);
     const int64_t offset = bucket_indices[2 * b];
     const int64_t shard = (bucket_indices[2 * b + 1] - offset) / dp;
-    const int64_t world_start = offset + r * shard, world_end = world_start + shard;
-    int64_t lo = bucket_first[b], hi = bucket_first[b + 1];
-    int64_t a = lo, z = hi;
-    while (a < z) {  // first position whose end > world_start
-      const int64_t mid = a + (z - a) / 2;
-      if (end_of(mid) <= world_start) a = mid + 1; else z = mid;
-    }
-    lo = a;
-    z = hi;
-    while (a < z) {  // first position whose start >= world_end
-      const int64_t mid = a + (z - a) / 2;
-      if (start_of(mid) < world_end) a = mid + 1; else z = mid;
-    }
-    return std::pair<int64_t, int64_t>{lo, a};
+    if (e <= s || shard == 0) return false;
+    *first = std::max((s - offset) / shard, rank_begin);
+    *last = std::min((e - 1 - offset) / shard, rank_end - 1);
+    return *first <= *last;
   };
-
-  const int64_t num_ranks = rank_end - rank_begin;
   std::vector<int64_t> rank_rows(num_ranks + 1, 0);
-  parallel_for(num_ranks, 4, num_threads, [&](int64_t r_begin, int64_t r_end) {
-    for (int64_t r = r_begin; r < r_end; ++r) {
-      int64_t count = 0;
-      for (int64_t b = 0; b < num_buckets; ++b) {
-        const auto [lo, hi] = run_of(b, r + rank_begin);
-        count += nonempty_prefix[hi] - nonempty_prefix[lo];
-      }
-      rank_rows[r + 1] = count;
-    }
-  }, interrupt);
-  for (int64_t r = 0; r < num_ranks; ++r) rank_rows[r + 1] += rank_rows[r];
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t first, last;
+    if (!rank_span(k, &first, &last)) continue;
+    rank_rows[first - rank_begin + 1] += 1;  // difference array over ranks
+    if (last + 1 < rank_end) rank_rows[last - rank_begin + 2] -= 1;
+  }
+  for (int64_t r = 1; r <= num_ranks; ++r) rank_rows[r] += rank_rows[r - 1];  // rows per rank
+  for (int64_t r = 0; r < num_ranks; ++r) rank_rows[r + 1] += rank_rows[r];  // row offsets
 
   const int64_t num_rows = rank_rows.back();
   ShardRanges out;
@@ -216,6 +196,12 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
   out.gbuf_world_in_bucket.resize(2 * num_rows);
   out.gbuf_local.resize(2 * num_rows);
   out.param_range.resize(2 * num_rows);
+  // bucket_first[b]: first layout position whose bucket id is >= b.
+  std::vector<int64_t> bucket_first(num_buckets + 1, n);
+  for (int64_t k = n - 1; k >= 0; --k) bucket_first[bucket_of(k)] = k;
+  for (int64_t b = num_buckets - 1; b >= 0; --b) bucket_first[b] = std::min(bucket_first[b], bucket_first[b + 1]);
+  // Each rank writes its own rows contiguously: per bucket, binary-search the run of positions
+  // overlapping its shard (ends and starts ascend inside a bucket), then emit the non-empty ones.
   parallel_for(num_ranks, 4, num_threads, [&](int64_t r_begin, int64_t r_end) {
     for (int64_t r = r_begin; r < r_end; ++r) {
       int64_t row = rank_rows[r];
@@ -223,10 +209,15 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
       for (int64_t b = 0; b < num_buckets; ++b) {
         const int64_t offset = bucket_indices[2 * b];
         const int64_t shard = (bucket_indices[2 * b + 1] - offset) / dp;
-        const int64_t world_start = offset + rank * shard;
-        const auto [lo, hi] = run_of(b, rank);
-        for (int64_t k = lo; k < hi; ++k) {
+        const int64_t world_start = offset + rank * shard, world_end = world_start + shard;
+        int64_t lo = bucket_first[b], hi = bucket_first[b + 1];
+        while (lo < hi) {  // first position whose end > world_start
+          const int64_t mid = lo + (hi - lo) / 2;
+          if (end_of(mid) <= world_start) lo = mid + 1; else hi = mid;
+        }
+        for (int64_t k = lo, stop = bucket_first[b + 1]; k < stop; ++k) {
           const int64_t s = start_of(k), e = end_of(k);
+          if (s >= world_end) break;
           if (e <= s) continue;
           const int64_t local_start = std::max<int64_t>(0, s - world_start);
           const int64_t local_end = std::min(shard, e - world_start);
