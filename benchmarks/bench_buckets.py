@@ -159,7 +159,8 @@ def main() -> None:
     body = [
         f"{spec.name}: {len(spec.numels):,} params ({sum(spec.numels) / 1e9:.0f}B elements) in a dense and an "
         f"expert buffer, dp={dp}, bucket_size={bucket_size:,} (Megatron's default): {num_buckets:,} buckets, "
-        f"{num_rows:,} (rank, bucket, param) shard-range rows. Results are checked identical.",
+        f"{num_rows:,} (rank, bucket, param) shard-range rows. Results are checked identical. Wall-clock "
+        "medians; on a small shared machine they vary between runs by up to ~2x.",
         "",
         "Python oracle (tests/reference/buckets.py) vs trainfast native:",
         "",
