@@ -621,3 +621,23 @@ def test_patch_swaps_newer_layout_entry_points(monkeypatch):
         assert have.per_bucket_numel_unpadded == want.per_bucket_numel_unpadded
         assert have.param_indices == want.param_indices
     assert D.__dict__["_compute_per_buffer_param_layout"].__func__ is upstream_per_buffer
+
+
+def test_many_python_threads_get_the_same_ranges():
+    import threading
+
+    rng = random.Random(21)
+    numels = [rng.randint(1, 10**6) for _ in range(3000)]
+    layout = buckets.plan_layout(numels, bucket_size=2 * 10**6, data_parallel_world_size=64)
+    want = rows(buckets.shard_ranges(layout, 64, num_threads=1))
+    results = [None] * 8
+
+    def work(i):
+        results[i] = rows(buckets.shard_ranges(layout, 64, num_threads=1 + i % 3))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r == want for r in results)
