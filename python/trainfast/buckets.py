@@ -187,12 +187,17 @@ class ParamLayout:
             )
         else:
             lines.append(f"buffers per rank: {_fmt_bytes(self.numel * (grad_bytes + param_bytes))} (not sharded)")
-        for b in range(min(self.num_buckets, max_buckets)):
+        shown = min(self.num_buckets, max_buckets)
+        if shown:
+            import torch
+
+            counts = torch.bincount(self.bucket_id, minlength=self.num_buckets).tolist()
+            in_params = torch.zeros(self.num_buckets, dtype=torch.int64).index_add_(
+                0, self.bucket_id, self.param_end - self.param_start).tolist()
+        for b in range(shown):
             start, end = (int(x) for x in self.bucket_indices[b])
-            unpadded = int(self.per_bucket_numel_unpadded[b])
-            count = int((self.bucket_id == b).sum())
             lines.append(
-                f"  bucket {b}: [{start:,}, {end:,}) {count} params, {end - start - unpadded:,} padding"
+                f"  bucket {b}: [{start:,}, {end:,}) {counts[b]} params, {end - start - in_params[b]:,} padding"
             )
         if self.num_buckets > max_buckets:
             lines.append(f"  ... {self.num_buckets - max_buckets:,} more buckets")
