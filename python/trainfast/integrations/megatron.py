@@ -1,5 +1,12 @@
 """Patch megatron-core (and nvidia-resiliency-ext's copy of its async writer) with trainfast.
 
+Checkpoint write-item binning, and gradient-bucket planning: ``partition_buckets`` and the distributed
+optimizer's range builders (``DistributedOptimizer._build_model_gbuf_range`` /
+``_build_model_gbuf_param_range_map``), plus the layout functions of newer releases
+(``group_params_for_buffers``, ``_compute_default_per_buffer_param_layout``,
+``DistributedOptimizer._compute_per_buffer_param_layout`` / ``compute_full_param_layout``) where the
+installed megatron-core has them.
+
 >>> from trainfast.integrations import megatron
 >>> megatron.patch()    # doctest: +SKIP
 ['megatron.core.dist_checkpointing.strategies.filesystem_async._split_by_size_and_type', ...]
