@@ -15,3 +15,36 @@ def checkpoint_write_item_sizes(
 def checkpoint_assign_bins(
     is_bytes: npt.NDArray[np.uint8], sizes: npt.NDArray[np.int64], bins: int, refined: bool
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+
+# --- buckets (csrc/bindings/buckets.cpp) ---
+_I64 = npt.NDArray[np.int64]
+
+def buckets_plan_layout(
+    numels: npt.NDArray[np.int64],
+    shared_embedding: npt.NDArray[np.uint8],
+    bucket_size: int | None,
+    data_parallel_world_size: int,
+    use_distributed_optimizer: bool,
+    pad_buckets_for_high_nccl_busbw: bool,
+) -> tuple[_I64, _I64, _I64, _I64, _I64, int, int]: ...
+def buckets_shard_ranges(
+    param_start: _I64,
+    param_end: _I64,
+    bucket_id: _I64,
+    bucket_indices: _I64,
+    data_parallel_world_size: int,
+    rank_begin: int,
+    rank_end: int,
+    reverse_order: bool,
+    num_threads: int,
+) -> tuple[_I64, _I64, _I64, _I64, _I64, _I64, _I64]: ...
+def buckets_partition(
+    is_uint8: npt.NDArray[np.uint8], num_buckets: _I64, force_single_bucket_group: bool,
+    reduce_scatter_with_fp32_accumulation: bool,
+) -> tuple[_I64, _I64]: ...
+def buckets_group_params(
+    storage_code: _I64, fake_code: _I64, grad_code: _I64, is_expert: npt.NDArray[np.uint8], extra_code: _I64
+) -> tuple[_I64, _I64, _I64]: ...
+def buckets_param_range_map(
+    param_world_index_map: dict[Any, Any], world_start: int, world_end: int, bucket_offset: int, range_type: Any
+) -> dict[Any, dict[str, Any]]: ...

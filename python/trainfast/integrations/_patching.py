@@ -12,10 +12,26 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+def _resolve_owner(module: Any, attribute: str) -> tuple[Any, str]:
+    """The object holding ``attribute`` ("Class.method" reaches into a class) and the final name."""
+    *path, name = attribute.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _raw_attribute(owner: Any, name: str) -> Any:
+    # Classes keep classmethod/staticmethod descriptors in __dict__; getattr would bind them.
+    if isinstance(owner, type) and name in owner.__dict__:
+        return owner.__dict__[name]
+    return getattr(owner, name)
+
+
 @dataclass
 class Target:
     module: str
-    attribute: str
+    attribute: str  # a module attribute, or "Class.attribute" for a class member
     # Called with the upstream function; returns the drop-in that replaces it.
     make_replacement: Callable[[Callable[..., Any]], Callable[..., Any]]
     required: bool = True
@@ -48,7 +64,12 @@ class Patcher:
                     ) from error
                 logger.info("skipping %s.%s: %s", target.module, target.attribute, error)
                 continue
-            if not hasattr(module, target.attribute):
+            try:
+                owner, name = _resolve_owner(module, target.attribute)
+                present = hasattr(owner, name)
+            except AttributeError:
+                present = False
+            if not present:
                 if target.required:
                     raise ImportError(f"{target.module} has no {target.attribute}; unsupported {self.package} version")
                 continue
@@ -57,19 +78,23 @@ class Patcher:
         for target, module in resolved:
             key = (target.module, target.attribute)
             if key not in self._originals:
-                original = getattr(module, target.attribute)
-                replacement = target.make_replacement(original)
-                functools.update_wrapper(replacement, original)
-                replacement.__trainfast_original__ = original
+                owner, name = _resolve_owner(module, target.attribute)
+                original = _raw_attribute(owner, name)
+                wrapper = type(original) if isinstance(original, (classmethod, staticmethod)) else None
+                function = original.__func__ if wrapper is not None else original
+                replacement = target.make_replacement(function)
+                functools.update_wrapper(replacement, function)
+                replacement.__trainfast_original__ = function
                 self._originals[key] = original
-                setattr(module, target.attribute, replacement)
+                setattr(owner, name, wrapper(replacement) if wrapper is not None else replacement)
             patched.append(f"{target.module}.{target.attribute}")
         logger.info("patched %s", ", ".join(patched))
         return patched
 
     def unpatch(self) -> None:
         for (module_name, attribute), original in self._originals.items():
-            setattr(importlib.import_module(module_name), attribute, original)
+            owner, name = _resolve_owner(importlib.import_module(module_name), attribute)
+            setattr(owner, name, original)
         self._originals.clear()
 
     def is_patched(self) -> bool:

@@ -1,5 +1,12 @@
 """Patch megatron-core (and nvidia-resiliency-ext's copy of its async writer) with trainfast.
 
+Checkpoint write-item binning, and gradient-bucket planning: ``partition_buckets`` and the distributed
+optimizer's range builders (``DistributedOptimizer._build_model_gbuf_range`` /
+``_build_model_gbuf_param_range_map``), plus the layout functions of newer releases
+(``group_params_for_buffers``, ``_compute_default_per_buffer_param_layout``,
+``DistributedOptimizer._compute_per_buffer_param_layout`` / ``compute_full_param_layout``) where the
+installed megatron-core has them.
+
 >>> from trainfast.integrations import megatron
 >>> megatron.patch()    # doctest: +SKIP
 ['megatron.core.dist_checkpointing.strategies.filesystem_async._split_by_size_and_type', ...]
@@ -34,6 +41,115 @@ patcher.add(
     _split_by_size_and_type,
     required=False,
 )
+
+
+# --- gradient-bucket planning (trainfast.buckets) ---
+# Targets that the installed megatron-core lacks are skipped: 0.16.x computes the layout inside
+# _ParamAndGradBuffer.__init__ (nothing separate to swap) and has the range builders and
+# partition_buckets; newer releases add the layout functions below.
+_PGB = "megatron.core.distributed.param_and_grad_buffer"
+_DDP = "megatron.core.distributed.distributed_data_parallel"
+_DISTOPT = "megatron.core.optimizer.distrib_optimizer"
+
+
+def _source_mentions(function, word: str) -> bool:
+    import inspect
+
+    try:
+        return word in inspect.getsource(function)
+    except (OSError, TypeError):
+        return True  # unknown source: assume it differs and keep upstream
+
+
+def _partition_buckets(original):
+    import inspect
+
+    from trainfast import buckets
+
+    # Only the two-argument form whose semantics trainfast reproduces is swapped.
+    if list(inspect.signature(original).parameters) != ["buffers", "force_single_bucket_group"] or (
+        _source_mentions(original, "reduce_scatter_with_fp32_accumulation")
+    ):
+        return lambda *args, **kwargs: original(*args, **kwargs)
+
+    def replacement(buffers, force_single_bucket_group=False):
+        return buckets.partition_buckets(buffers, force_single_bucket_group)
+
+    return replacement
+
+
+def _build_model_gbuf_range(original):
+    from trainfast.buckets import build_model_gbuf_range
+
+    def replacement(cls, param_and_grad_buffer, bucket_index):
+        return build_model_gbuf_range(param_and_grad_buffer, bucket_index, cls=cls)
+
+    return replacement
+
+
+def _build_model_gbuf_param_range_map(original):
+    from trainfast.buckets import build_model_gbuf_param_range_map
+
+    def replacement(cls, param_world_index_map, gbuf_world_range, bucket_offset):
+        return build_model_gbuf_param_range_map(param_world_index_map, gbuf_world_range, bucket_offset)
+
+    return replacement
+
+
+def _group_params_for_buffers(original):
+    from trainfast.buckets import group_params_for_buffers
+
+    def replacement(params, grad_reduce_in_fp32):
+        return group_params_for_buffers(params, grad_reduce_in_fp32)
+
+    return replacement
+
+
+def _default_layout(original):
+    from trainfast.buckets import compute_default_per_buffer_param_layout
+
+    def replacement(params, bucket_size):
+        return compute_default_per_buffer_param_layout(params, bucket_size)
+
+    return replacement
+
+
+def _per_buffer_layout(original):
+    from trainfast.buckets import compute_per_buffer_param_layout
+
+    def replacement(params, bucket_size, data_parallel_world_size, ddp_config, param_indices=None):
+        return compute_per_buffer_param_layout(params, bucket_size, data_parallel_world_size, ddp_config, param_indices)
+
+    return replacement
+
+
+def _full_layout(original):
+    from trainfast.buckets import compute_full_param_layout
+
+    def replacement(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None):
+        params = list(params)
+        # Layer-wise-optimizer buffers get upstream's own layout (not reproduced here).
+        if any(getattr(p, "is_managed_by_layer_wise_optimizer", False) for p in params):
+            return original(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size)
+        return compute_full_param_layout(
+            params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size
+        )
+
+    return replacement
+
+
+for _module in (_PGB, _DDP, _DISTOPT):
+    patcher.add(_module, "partition_buckets", _partition_buckets, required=False)
+patcher.add(_DISTOPT, "DistributedOptimizer._build_model_gbuf_range", _build_model_gbuf_range, required=False)
+patcher.add(
+    _DISTOPT, "DistributedOptimizer._build_model_gbuf_param_range_map", _build_model_gbuf_param_range_map,
+    required=False,
+)
+for _module in (_PGB, _DISTOPT, _DDP):
+    patcher.add(_module, "group_params_for_buffers", _group_params_for_buffers, required=False)
+patcher.add(_PGB, "_compute_default_per_buffer_param_layout", _default_layout, required=False)
+patcher.add(_DISTOPT, "DistributedOptimizer._compute_per_buffer_param_layout", _per_buffer_layout, required=False)
+patcher.add(_DISTOPT, "DistributedOptimizer.compute_full_param_layout", _full_layout, required=False)
 
 
 # Replace / restore / query; patch() returns the "module.attribute" names it replaced.

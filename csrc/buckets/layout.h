@@ -1,0 +1,123 @@
+// Gradient-bucket planning: Megatron's DDP / distributed-optimizer buffer layout, bucket groups and
+// per-rank shard ranges, on plain arrays. O(params + ranks * buckets) time and memory.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "common/parallel.h"
+
+namespace trainfast::buckets {
+
+struct LayoutOptions {
+  std::optional<int64_t> bucket_size;  // nullopt: one bucket per buffer
+  int64_t data_parallel_world_size = 1;
+  bool use_distributed_optimizer = true;  // false: Megatron's default (unpadded) layout
+  bool pad_buckets_for_high_nccl_busbw = false;
+};
+
+struct Layout {
+  std::vector<int64_t> param_start;                // [num_params] model order
+  std::vector<int64_t> param_end;                  // [num_params]
+  std::vector<int64_t> bucket_id;                  // [num_params]
+  std::vector<int64_t> bucket_indices;             // [num_buckets * 2] (start, end) pairs
+  std::vector<int64_t> per_bucket_numel_unpadded;  // [num_buckets]
+  int64_t numel = 0;
+  int64_t numel_unpadded = 0;
+};
+
+// numels[i] >= 0 is param i's element count (model order); shared_embedding is empty or has one
+// flag per param. Params are laid out in reverse (backprop) order as Megatron does.
+Layout plan_layout(std::span<const int64_t> numels, std::span<const uint8_t> shared_embedding,
+                   const LayoutOptions& options);
+
+// Megatron's `_pad`: ceil(value / divisor) * divisor, computed as Python's float division does
+// (identical to exact integer rounding below 2**53; exact above).
+int64_t pad_to_divisor(int64_t value, int64_t divisor);
+
+// lcm(dp, 128) or lcm(dp, 128, 2**16): the bucket-end divisor of the distributed optimizer.
+int64_t bucket_end_divisor(int64_t data_parallel_world_size, bool pad_for_high_nccl_busbw);
+
+// Big blocks come 2 MiB-aligned with a transparent-huge-page hint (far fewer page faults).
+void* allocate_large(size_t bytes);
+void free_large(void* p) noexcept;
+constexpr size_t kLargeAllocation = size_t{4} << 20;
+
+// Leaves new elements uninitialised: big outputs are written once, by the worker threads.
+template <typename T>
+struct NoInitAllocator : std::allocator<T> {
+  using value_type = T;
+  T* allocate(size_t n) {
+    if (n * sizeof(T) >= kLargeAllocation) return static_cast<T*>(allocate_large(n * sizeof(T)));
+    return std::allocator<T>::allocate(n);
+  }
+  void deallocate(T* p, size_t n) noexcept {
+    if (n * sizeof(T) >= kLargeAllocation) {
+      free_large(p);
+    } else {
+      std::allocator<T>::deallocate(p, n);
+    }
+  }
+  template <typename U>
+  struct rebind {
+    using other = NoInitAllocator<U>;
+  };
+  NoInitAllocator() = default;
+  template <typename U>
+  NoInitAllocator(const NoInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using Int64Buffer = std::vector<int64_t, NoInitAllocator<int64_t>>;
+
+struct ShardRanges {
+  // One row per (rank, bucket, owned param), ordered by rank, bucket, then layout order.
+  Int64Buffer rank, bucket, param;  // [n]; param indexes the input arrays
+  Int64Buffer gbuf_world;            // [n * 2]
+  Int64Buffer gbuf_world_in_bucket;  // [n * 2]
+  Int64Buffer gbuf_local;            // [n * 2]
+  Int64Buffer param_range;           // [n * 2]
+};
+
+// Shard ranges of ranks [rank_begin, rank_end) of a layout given as arrays. Layout order is the
+// arrays' order, or their reverse when `reverse_order` (plan_layout's model-order output). Every
+// bucket's padded size must divide by data_parallel_world_size.
+ShardRanges shard_ranges(std::span<const int64_t> param_start, std::span<const int64_t> param_end,
+                         std::span<const int64_t> bucket_id, std::span<const int64_t> bucket_indices,
+                         int64_t data_parallel_world_size, int64_t rank_begin, int64_t rank_end,
+                         bool reverse_order, int num_threads, Interrupt* interrupt = nullptr);
+
+struct BucketGroups {
+  std::vector<int64_t> group_offsets;  // [num_groups + 1]
+  std::vector<int64_t> members;        // [num_members * 2] (buffer, bucket) pairs in group order
+};
+
+// Megatron's partition_buckets on counts: buffer b has num_buckets[b] buckets; is_uint8[b] marks an
+// fp8 (uint8-storage) buffer. At most one uint8 buffer.
+BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<const int64_t> num_buckets,
+                               bool force_single_bucket_group,
+                               bool reduce_scatter_with_fp32_accumulation);
+
+struct BufferGroups {
+  std::vector<int64_t> buffer_of_param;  // [num_params] buffer index (first-seen key order)
+  std::vector<int64_t> param_indices;    // [num_params] index among same fake-dtype key params
+  std::vector<int64_t> key_of_buffer;    // [num_buffers] index of the first param of each buffer
+};
+
+// group_params_for_buffers on integer codes: a param's buffer key is (storage_code, grad_code,
+// expert, extra); its param_indices counter key is (fake_code, grad_code, expert, extra).
+BufferGroups group_params(std::span<const int64_t> storage_code, std::span<const int64_t> fake_code,
+                          std::span<const int64_t> grad_code, std::span<const uint8_t> is_expert,
+                          std::span<const int64_t> extra_code);
+
+}  // namespace trainfast::buckets

@@ -1,0 +1,713 @@
+"""Gradient-bucket planning: Megatron DDP / distributed-optimizer buffer layout, bucket groups and
+per-rank shard ranges.
+
+Megatron lays every buffer's params out in reverse model order (roughly backprop order). With the
+distributed optimizer each param starts 64-element aligned, a ``shared_embedding`` param sits alone in
+its bucket, and bucket ends are padded to ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with
+``pad_buckets_for_high_nccl_busbw``); each bucket is then cut into ``dp`` equal shards, one per rank.
+
+Two APIs:
+
+- drop-ins with Megatron's signatures (:func:`compute_full_param_layout`,
+  :func:`compute_per_buffer_param_layout`, :func:`compute_default_per_buffer_param_layout`,
+  :func:`group_params_for_buffers`, :func:`partition_buckets` and the distributed optimizer's range
+  builders), returning Megatron's own dataclasses when megatron-core has them;
+- an array API for tools and huge models, O(params + ranks * buckets): :func:`plan_layout`,
+  :func:`shard_ranges`, :func:`partition_bucket_indices`, :func:`materialize`.
+
+>>> from trainfast.buckets import plan_layout, shard_ranges
+>>> layout = plan_layout([5000, 5000, 5000], bucket_size=8000, data_parallel_world_size=2)
+>>> layout.param_start.tolist(), layout.bucket_indices.tolist()
+([10112, 5056, 0], [[0, 10112], [10112, 15232]])
+>>> ranges = shard_ranges(layout, 2, rank=1)
+>>> ranges.gbuf_world[-1].tolist(), ranges.param_range[-1].tolist()
+([12672, 15112], [2560, 5000])
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from trainfast import _core
+from trainfast._util import UpstreamAssertionError, as_array, check_int, resolve_num_threads, to_tensor
+
+__all__ = [
+    "BucketGroups",
+    "BufferKey",
+    "FullParamLayout",
+    "Materialized",
+    "ParamLayout",
+    "PerBufferParamLayout",
+    "ShardRangeTable",
+    "build_model_gbuf_param_range_map",
+    "build_model_gbuf_range",
+    "compute_default_per_buffer_param_layout",
+    "compute_full_param_layout",
+    "compute_per_buffer_param_layout",
+    "default_bucket_size",
+    "group_params_for_buffers",
+    "materialize",
+    "partition_bucket_indices",
+    "partition_buckets",
+    "plan_layout",
+    "shard_ranges",
+]
+
+
+# --- Megatron's dataclasses (its own when importable) -------------------------------------------
+
+@dataclass(frozen=True)
+class BufferKey:
+    """Identifies one contiguous buffer: storage dtype, grad dtype, expert-parallel flag (megatron's
+    own class is used instead when megatron-core has it)."""
+
+    param_dtype: Any
+    grad_dtype: Any
+    is_expert_parallel: bool
+    is_managed_by_layer_wise_optimizer: bool = False
+
+
+@dataclass
+class PerBufferParamLayout:
+    """param_index_map {param: (start, end, bucket_id)}, bucket_indices, unpadded sizes."""
+
+    param_index_map: dict = field(default_factory=dict)
+    bucket_indices: list = field(default_factory=list)
+    per_bucket_numel_unpadded: list = field(default_factory=list)
+    param_indices: list = field(default_factory=list)
+    num_optimizer_shards: int | None = None
+
+
+@dataclass
+class FullParamLayout:
+    """{BufferKey: PerBufferParamLayout} for one model chunk."""
+
+    layouts: dict = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=1)
+def _dataclasses() -> tuple[Any, Any, Any]:
+    """(BufferKey, PerBufferParamLayout, FullParamLayout): megatron's own when it has them."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is not None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # megatron's import-time notices (no TE/Apex, ...)
+                from megatron.core.optimizer import param_layout  # type: ignore[import-not-found]
+            return param_layout.BufferKey, param_layout.PerBufferParamLayout, param_layout.FullParamLayout
+        except ImportError:
+            pass
+    return BufferKey, PerBufferParamLayout, FullParamLayout
+
+
+def default_bucket_size(data_parallel_world_size: int) -> int:
+    """Megatron DDP's default bucket size: max(40M, 1M * dp) elements."""
+    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1)
+    return max(40_000_000, 1_000_000 * dp)
+
+
+# --- array API ------------------------------------------------------------------------------------
+
+
+def _check_bucket_size(bucket_size: Any) -> int | None:
+    if bucket_size is None:
+        return None
+    return check_int(bucket_size, "bucket_size", min_value=1)
+
+
+@dataclass
+class ParamLayout:
+    """Result of :func:`plan_layout`; int64 CPU tensors, params in the input (model) order.
+
+    - ``param_start``, ``param_end``, ``bucket_id`` `[num_params]`: the param's ``[start, end)`` in the
+      buffer and its bucket.
+    - ``bucket_indices`` `[num_buckets, 2]`: each bucket's padded ``[start, end)``.
+    - ``per_bucket_numel_unpadded`` `[num_buckets]`; ``numel`` (padded buffer size) and
+      ``numel_unpadded`` (their sum).
+    """
+
+    param_start: Any
+    param_end: Any
+    bucket_id: Any
+    bucket_indices: Any
+    per_bucket_numel_unpadded: Any
+    numel: int
+    numel_unpadded: int
+    data_parallel_world_size: int = 1
+    use_distributed_optimizer: bool = True
+    bucket_size: int | None = None
+
+    @property
+    def num_params(self) -> int:
+        return int(self.param_start.shape[0])
+
+    @property
+    def num_buckets(self) -> int:
+        return int(self.bucket_indices.shape[0])
+
+    def summary(self, *, param_bytes: int = 2, grad_bytes: int = 4, max_buckets: int = 8) -> str:
+        """A planning report: buckets, padding waste and per-rank shard bytes.
+
+        ``param_bytes``/``grad_bytes``: element sizes of the param and grad buffers (bf16 params,
+        fp32 grads by default).
+        """
+        param_bytes = check_int(param_bytes, "param_bytes", min_value=0)
+        grad_bytes = check_int(grad_bytes, "grad_bytes", min_value=0)
+        dp = self.data_parallel_world_size
+        param_numel = int((self.param_end - self.param_start).sum()) if self.num_params else 0
+        padding = self.numel - param_numel
+        sizes = (self.bucket_indices[:, 1] - self.bucket_indices[:, 0]) if self.num_buckets else None
+        lines = [
+            f"{self.num_params:,} params in {self.num_buckets:,} buckets "
+            f"({'distributed optimizer' if self.use_distributed_optimizer else 'default DDP'} layout, "
+            f"dp={dp}, bucket_size={self.bucket_size if self.bucket_size is not None else 'None'})",
+            f"buffer: {self.numel:,} elements, {param_numel:,} in params, padding {padding:,} "
+            f"({100.0 * padding / max(self.numel, 1):.3f}%; {self.numel - self.numel_unpadded:,} at bucket "
+            f"ends, {self.numel_unpadded - param_numel:,} from 64-element alignment)",
+        ]
+        if sizes is not None:
+            lines.append(
+                f"bucket sizes: min {_fmt_count(int(sizes.min()))}, max {_fmt_count(int(sizes.max()))}, "
+                f"mean {_fmt_count(int(sizes.double().mean()))} elements"
+            )
+        if self.use_distributed_optimizer:
+            shard = self.numel // dp
+            lines.append(
+                f"per-rank shard: {shard:,} elements = {_fmt_bytes(shard * grad_bytes)} grads + "
+                f"{_fmt_bytes(shard * param_bytes)} params (of {_fmt_bytes(self.numel * (grad_bytes + param_bytes))} "
+                f"full buffers)"
+            )
+        else:
+            lines.append(f"buffers per rank: {_fmt_bytes(self.numel * (grad_bytes + param_bytes))} (not sharded)")
+        shown = min(self.num_buckets, max_buckets)
+        if shown:
+            import torch
+
+            counts = torch.bincount(self.bucket_id, minlength=self.num_buckets).tolist()
+            in_params = torch.zeros(self.num_buckets, dtype=torch.int64).index_add_(
+                0, self.bucket_id, self.param_end - self.param_start).tolist()
+        for b in range(shown):
+            start, end = (int(x) for x in self.bucket_indices[b])
+            lines.append(
+                f"  bucket {b}: [{start:,}, {end:,}) {counts[b]} params, {end - start - in_params[b]:,} padding"
+            )
+        if self.num_buckets > max_buckets:
+            lines.append(f"  ... {self.num_buckets - max_buckets:,} more buckets")
+        return "\n".join(lines)
+
+
+def _fmt_count(value: int) -> str:
+    return f"{value:,}"
+
+
+def _fmt_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def plan_layout(
+    numels: Any,
+    *,
+    shared_embedding: Any = None,
+    bucket_size: int | None = None,
+    data_parallel_world_size: int = 1,
+    use_distributed_optimizer: bool = True,
+    pad_buckets_for_high_nccl_busbw: bool = False,
+) -> ParamLayout:
+    """Lays out one buffer's params as Megatron does (its ``param_index_map`` on arrays).
+
+    Args:
+        numels: int `[num_params]`, element count of each param in model order, >= 0.
+        shared_embedding: bool `[num_params]` or None; marked params get a bucket of their own
+            (distributed optimizer only, as upstream).
+        bucket_size: close a bucket once it holds >= this many elements; None means one bucket.
+        data_parallel_world_size: dp, > 0 (bucket ends pad to a multiple of lcm(dp, 128)).
+        use_distributed_optimizer: False gives DDP's default layout (no padding, no shared rule).
+        pad_buckets_for_high_nccl_busbw: pad bucket ends to lcm(dp, 128, 2**16).
+
+    Returns:
+        A :class:`ParamLayout` of int64 CPU tensors.
+    """
+    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1)
+    bucket_size = _check_bucket_size(bucket_size)
+    numels_arr = as_array(numels, "numels", "int64", kind="int")
+    if shared_embedding is None:
+        shared_arr = np.zeros(0, dtype=np.uint8)
+    else:
+        shared_arr = as_array(shared_embedding, "shared_embedding", "uint8", kind="bool")
+        if shared_arr.shape != numels_arr.shape:
+            raise ValueError(
+                f"shared_embedding must have one flag per param (got {shared_arr.shape[0]} flags for "
+                f"{numels_arr.shape[0]} numels)"
+            )
+    start, end, bucket, indices, unpadded, numel, numel_unpadded = _core.buckets_plan_layout(
+        numels_arr, shared_arr, bucket_size, dp, bool(use_distributed_optimizer),
+        bool(pad_buckets_for_high_nccl_busbw),
+    )
+    return ParamLayout(
+        to_tensor(start), to_tensor(end), to_tensor(bucket), to_tensor(indices), to_tensor(unpadded),
+        int(numel), int(numel_unpadded), dp, bool(use_distributed_optimizer), bucket_size,
+    )
+
+
+class ShardRangeTable(NamedTuple):
+    """Result of :func:`shard_ranges`: one row per (rank, bucket, owned param), ordered by rank, then
+    bucket, then layout order; int64 CPU tensors.
+
+    - ``rank``, ``bucket``, ``param`` `[n]` (``param``: model-order index).
+    - ``gbuf_world`` `[n, 2]`: the owned piece in buffer coordinates.
+    - ``gbuf_world_in_bucket`` `[n, 2]`: the same, relative to the bucket start.
+    - ``gbuf_local`` `[n, 2]`: relative to the rank's shard start.
+    - ``param_range`` `[n, 2]`: offsets inside the flattened param (upstream's ``"param"``).
+    """
+
+    rank: Any
+    bucket: Any
+    param: Any
+    gbuf_world: Any
+    gbuf_world_in_bucket: Any
+    gbuf_local: Any
+    param_range: Any
+
+
+def shard_ranges(
+    layout: ParamLayout,
+    data_parallel_world_size: int,
+    *,
+    rank: int | None = None,
+    num_threads: int | None = None,
+) -> ShardRangeTable:
+    """Every rank's shard ranges (the distributed optimizer's ``_build_model_gbuf_range`` for all ranks
+    and buckets at once), or only ``rank``'s.
+
+    Each bucket of padded size S is cut into dp shards of S / dp; rank r owns
+    ``[offset + r * S/dp, offset + (r + 1) * S/dp)`` and every param overlapping it.
+
+    Args:
+        layout: a :class:`ParamLayout` (from :func:`plan_layout`).
+        data_parallel_world_size: dp, > 0; must divide every bucket's padded size.
+        rank: only this rank's rows (0 <= rank < dp); None for all ranks.
+        num_threads: worker threads (default: $TRAINFAST_NUM_THREADS or all cores).
+    """
+    if not isinstance(layout, ParamLayout):
+        raise TypeError(f"layout must be a ParamLayout from plan_layout (got {type(layout).__name__})")
+    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1)
+    if rank is None:
+        rank_begin, rank_end = 0, dp
+    else:
+        rank = check_int(rank, "rank", min_value=0)
+        if rank >= dp:
+            raise ValueError(f"rank must be < data_parallel_world_size={dp} (got {rank})")
+        rank_begin, rank_end = rank, rank + 1
+    threads = resolve_num_threads(num_threads)
+    # Megatron's layouts run in reverse model order: the core reads the arrays backwards.
+    arrays = _core.buckets_shard_ranges(
+        layout.param_start.numpy(), layout.param_end.numpy(), layout.bucket_id.numpy(),
+        layout.bucket_indices.numpy(), dp, rank_begin, rank_end, True, threads,
+    )
+    return ShardRangeTable(*(to_tensor(a) for a in arrays))
+
+
+class BucketGroups(NamedTuple):
+    """Result of :func:`partition_bucket_indices`; int64 CPU tensors.
+
+    - ``group_offsets`` `[num_groups + 1]`: group g is ``members[group_offsets[g]:group_offsets[g+1]]``.
+    - ``members`` `[num_members, 2]`: (buffer index, bucket index) pairs in group order.
+    """
+
+    group_offsets: Any
+    members: Any
+
+    def groups(self) -> list[list[tuple[int, int]]]:
+        pairs = [tuple(pair) for pair in self.members.tolist()]
+        offsets = self.group_offsets.tolist()
+        return [pairs[offsets[g]: offsets[g + 1]] for g in range(len(offsets) - 1)]
+
+
+def partition_bucket_indices(
+    is_uint8: Any,
+    num_buckets: Any,
+    *,
+    force_single_bucket_group: bool = False,
+    reduce_scatter_with_fp32_accumulation: bool = False,
+) -> BucketGroups:
+    """Megatron's ``partition_buckets`` on counts.
+
+    Args:
+        is_uint8: bool `[num_buffers]`, true for the (at most one) fp8/quantized buffer.
+        num_buckets: int `[num_buffers]`, buckets in each buffer.
+        force_single_bucket_group: one group of every bucket.
+        reduce_scatter_with_fp32_accumulation: every bucket in its own group.
+
+    Without fp8 every bucket is its own group (buffer order, then bucket order); with one fp8 buffer
+    each fp8 bucket is its own group except the last, which also takes every non-fp8 bucket.
+    """
+    flags = as_array(is_uint8, "is_uint8", "uint8", kind="bool")
+    counts = as_array(num_buckets, "num_buckets", "int64", kind="int")
+    if flags.shape != counts.shape:
+        raise ValueError(
+            f"num_buckets must have one entry per buffer (got {counts.shape[0]} for {flags.shape[0]} buffers)"
+        )
+    offsets, members = _core.buckets_partition(
+        flags, counts, bool(force_single_bucket_group), bool(reduce_scatter_with_fp32_accumulation)
+    )
+    return BucketGroups(to_tensor(offsets), to_tensor(members))
+
+
+# --- drop-ins with Megatron's signatures ------------------------------------------------------------
+
+
+def _quantized_predicates() -> list:
+    predicates = []
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        return predicates
+    try:
+        from megatron.core import fp8_utils
+
+        predicates.append(fp8_utils.is_float8tensor)
+    except ImportError:
+        pass
+    try:
+        from megatron.core import fp4_utils
+
+        if hasattr(fp4_utils, "is_nvfp4tensor"):
+            predicates.append(fp4_utils.is_nvfp4tensor)
+    except ImportError:
+        pass
+    return predicates
+
+
+def _param_list(params: Any) -> list:
+    if isinstance(params, list):
+        return params
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        try:
+            return list(params)
+        except TypeError:
+            raise TypeError(f"params must be a list of parameters (got {type(params).__name__})") from None
+    return list(params)
+
+
+def _numels(params: list) -> np.ndarray:
+    try:
+        return np.fromiter((p.data.nelement() for p in params), dtype=np.int64, count=len(params))
+    except AttributeError as error:
+        raise TypeError(f"params must be torch parameters/tensors ({error})") from None
+
+
+def group_params_for_buffers(params: Any, grad_reduce_in_fp32: bool) -> dict:
+    """Groups trainable params by :class:`BufferKey` (first-seen order), as Megatron's
+    ``group_params_for_buffers``: returns ``{BufferKey: (params, param_indices)}``.
+
+    Key: storage dtype (torch.uint8 for fp8/nvfp4 params), grad dtype (fp32 if ``grad_reduce_in_fp32``
+    else the param's dtype), ``is_expert_parallel = not param.allreduce``, and the layer-wise-optimizer
+    flag; ``param_indices`` count params under the *fake* (high-precision) dtype.
+    """
+    import torch
+
+    param_list = _param_list(params)
+    predicates = _quantized_predicates()
+    codes: dict = {}
+    n = len(param_list)
+    storage = np.empty(n, dtype=np.int64)
+    fake = np.empty(n, dtype=np.int64)
+    grad = np.empty(n, dtype=np.int64)
+    expert = np.empty(n, dtype=np.uint8)
+    extra = np.empty(n, dtype=np.int64)
+    fp32 = torch.float
+    for i, param in enumerate(param_list):
+        if not param.requires_grad:
+            raise UpstreamAssertionError(f"params[{i}] does not require grad (Megatron asserts requires_grad)")
+        dtype = param.dtype
+        storage_dtype = torch.uint8 if any(pred(param) for pred in predicates) else dtype
+        grad_dtype = fp32 if grad_reduce_in_fp32 else dtype
+        storage[i] = codes.setdefault(storage_dtype, len(codes))
+        fake[i] = codes.setdefault(dtype, len(codes))
+        grad[i] = codes.setdefault(grad_dtype, len(codes))
+        expert[i] = not getattr(param, "allreduce", True)
+        extra[i] = bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
+    buffer_of_param, param_indices, first_param = _core.buckets_group_params(storage, fake, grad, expert, extra)
+    dtypes = {code: dtype for dtype, code in codes.items()}
+    result: dict = {}
+    keys = []
+    for first in first_param.tolist():
+        key = _make_key(dtypes[int(storage[first])], dtypes[int(grad[first])], bool(expert[first]), bool(extra[first]))
+        keys.append(key)
+        result[key] = ([], [])
+    for param, buffer, index in zip(param_list, buffer_of_param.tolist(), param_indices.tolist()):
+        entry = result[keys[buffer]]
+        entry[0].append(param)
+        entry[1].append(index)
+    return result
+
+
+def _make_key(param_dtype: Any, grad_dtype: Any, is_expert: bool, layer_wise: bool) -> Any:
+    key_type = _dataclasses()[0]
+    if layer_wise or "is_managed_by_layer_wise_optimizer" in getattr(key_type, "__dataclass_fields__", {}):
+        return key_type(param_dtype, grad_dtype, is_expert, layer_wise)
+    return key_type(param_dtype, grad_dtype, is_expert)
+
+
+def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any) -> Any:
+    # Megatron's dict iterates in layout (reverse model) order.
+    starts = layout.param_start.tolist()
+    ends = layout.param_end.tolist()
+    ids = layout.bucket_id.tolist()
+    index_map = {params[i]: (starts[i], ends[i], ids[i]) for i in range(len(params) - 1, -1, -1)}
+    return _dataclasses()[1](
+        param_index_map=index_map,
+        bucket_indices=[tuple(pair) for pair in layout.bucket_indices.tolist()],
+        per_bucket_numel_unpadded=layout.per_bucket_numel_unpadded.tolist(),
+        param_indices=list(param_indices) if param_indices is not None else [],
+    )
+
+
+def compute_default_per_buffer_param_layout(params: Any, bucket_size: int | None) -> Any:
+    """Megatron's ``_compute_default_per_buffer_param_layout``: no padding, reverse order, buckets
+    closed once they hold >= ``bucket_size`` elements (None: one bucket)."""
+    param_list = _param_list(params)
+    layout = plan_layout(_numels(param_list), bucket_size=bucket_size, use_distributed_optimizer=False)
+    return _to_per_buffer_layout(param_list, layout, None)
+
+
+def compute_per_buffer_param_layout(
+    params: Any,
+    bucket_size: int | None,
+    data_parallel_world_size: int,
+    ddp_config: Any,
+    param_indices: Sequence[int] | None = None,
+) -> Any:
+    """``DistributedOptimizer._compute_per_buffer_param_layout``: the distributed-optimizer layout of
+    one buffer (64-aligned params, shared embeddings alone, bucket ends padded for dp)."""
+    param_list = _param_list(params)
+    shared = np.fromiter(
+        (bool(getattr(p, "shared_embedding", False)) for p in param_list), dtype=np.uint8, count=len(param_list)
+    )
+    layout = plan_layout(
+        _numels(param_list),
+        shared_embedding=shared,
+        bucket_size=bucket_size,
+        data_parallel_world_size=data_parallel_world_size,
+        use_distributed_optimizer=True,
+        pad_buckets_for_high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
+    )
+    return _to_per_buffer_layout(param_list, layout, param_indices)
+
+
+def compute_full_param_layout(
+    params: Any,
+    bucket_size: int | None,
+    data_parallel_world_size: int,
+    ddp_config: Any,
+    expert_data_parallel_world_size: int | None = None,
+) -> Any:
+    """``DistributedOptimizer.compute_full_param_layout``: groups params into buffers and lays each out;
+    expert-parallel buffers use ``expert_data_parallel_world_size`` (default: the dense dp)."""
+    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1)
+    expert_dp = dp if expert_data_parallel_world_size is None else check_int(
+        expert_data_parallel_world_size, "expert_data_parallel_world_size", min_value=1
+    )
+    grouped = group_params_for_buffers(params, bool(getattr(ddp_config, "grad_reduce_in_fp32", False)))
+    layouts = {}
+    for key, (buffer_params, indices) in grouped.items():
+        world = expert_dp if key.is_expert_parallel else dp
+        layouts[key] = compute_per_buffer_param_layout(buffer_params, bucket_size, world, ddp_config, indices)
+    return _dataclasses()[2](layouts=layouts)
+
+
+def partition_buckets(buffers: Any, force_single_bucket_group: bool = False) -> list:
+    """Megatron's ``partition_buckets``: regroups the buckets of ``_ParamAndGradBuffer`` objects into
+    ``_ParamAndGradBucketGroup`` objects (the upstream class), with upstream's checks."""
+    buffer_list = _param_list(buffers)
+    if not buffer_list:
+        return []
+    import torch
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    seen = set()
+    for buffer in buffer_list:
+        if buffer.param_dtype in seen:
+            raise UpstreamAssertionError(
+                f"buffers must have distinct param dtypes (got {buffer.param_dtype} twice)"
+            )
+        seen.add(buffer.param_dtype)
+    if force_single_bucket_group:
+        first = buffer_list[0]
+        for buffer in buffer_list:
+            if not (
+                buffer.ddp_config == first.ddp_config
+                and buffer.data_parallel_group == first.data_parallel_group
+                and buffer.data_parallel_world_size == first.data_parallel_world_size
+            ):
+                raise UpstreamAssertionError(
+                    "force_single_bucket_group needs every buffer to share ddp_config and data-parallel group"
+                )
+    flags = np.fromiter((b.param_dtype == torch.uint8 for b in buffer_list), dtype=np.uint8, count=len(buffer_list))
+    counts = np.fromiter((len(b.buckets) for b in buffer_list), dtype=np.int64, count=len(buffer_list))
+    offsets, pairs = _core.buckets_partition(flags, counts, bool(force_single_bucket_group), False)
+    offsets, pairs = offsets.tolist(), pairs.tolist()
+    uint8_index = int(np.flatnonzero(flags)[0]) if flags.any() else None
+    groups = []
+    for g in range(len(offsets) - 1):
+        members = pairs[offsets[g]: offsets[g + 1]]
+        # Upstream builds each group with the buffer its loop left behind: the first, the last, or its own.
+        if force_single_bucket_group:
+            owner = buffer_list[0]
+        elif uint8_index is not None:
+            owner = buffer_list[-1]  # upstream reuses the loop variable left by the non-fp8 scan
+        else:
+            owner = buffer_list[members[0][0]]
+        buckets = [buffer_list[b].buckets[j] for b, j in members]
+        groups.append(
+            _ParamAndGradBucketGroup(
+                buckets, owner.ddp_config, owner.data_parallel_group, owner.data_parallel_world_size
+            )
+        )
+    return groups
+
+
+def build_model_gbuf_param_range_map(param_world_index_map: dict, gbuf_world_range: Any, bucket_offset: int) -> dict:
+    """``DistributedOptimizer._build_model_gbuf_param_range_map``: ``{param: {"gbuf_world",
+    "gbuf_world_in_bucket", "gbuf_local", "param": Range}}`` for params overlapping
+    ``gbuf_world_range``, in the map's order (one native pass over the dict)."""
+    range_type = _range_type()
+    if not isinstance(param_world_index_map, dict):
+        raise TypeError(
+            f"param_world_index_map must be a dict (got {type(param_world_index_map).__name__})"
+        )
+    return _core.buckets_param_range_map(
+        param_world_index_map, int(gbuf_world_range.start), int(gbuf_world_range.end), int(bucket_offset), range_type
+    )
+
+
+def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls: Any = None) -> dict:
+    """``DistributedOptimizer._build_model_gbuf_range``: this rank's shard of one bucket and its
+    params' ranges, ``{"param_map": ...}``; computes only this rank's range (upstream builds all)."""
+    group = param_and_grad_buffer.data_parallel_group
+    rank, world = group.rank(), group.size()
+    if not 0 <= rank < world:
+        raise IndexError(f"data-parallel rank {rank} is outside a group of size {world}")
+    bucket = param_and_grad_buffer.buckets[bucket_index]
+    size = bucket.grad_data.numel()
+    if size % world != 0:
+        raise UpstreamAssertionError(f"Each bucket's buffer size should be divisible by {world}")
+    shard = size // world
+    start = rank * shard
+    world_range = _range_type()(start + bucket.offset, min(size, start + shard) + bucket.offset)
+    build = cls._build_model_gbuf_param_range_map if cls is not None else build_model_gbuf_param_range_map
+    return {"param_map": build(param_and_grad_buffer.param_index_map, world_range, bucket.offset)}
+
+
+def _range_type() -> Any:
+    try:
+        from megatron.core.optimizer.distrib_optimizer import Range
+
+        return Range
+    except ImportError:
+        return _Range
+
+
+class _Range:
+    """Stand-in for megatron's Range (start, end, size) when megatron-core is absent."""
+
+    __slots__ = ("start", "end", "size")
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end, self.size = start, end, end - start
+
+    def normalize(self, start: int = 0) -> _Range:
+        return _Range(start, start + self.size)
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __repr__(self) -> str:
+        return "%d,%d [%d]" % (self.start, self.end, self.size)
+
+
+# --- buffers ----------------------------------------------------------------------------------------
+
+
+class Materialized(NamedTuple):
+    """Result of :func:`materialize`: flat buffers and per-param views into them (model order)."""
+
+    param_data: Any  # [numel] param_dtype, or None
+    grad_data: Any  # [numel] grad_dtype
+    param_views: list  # per param, shaped as the param (None without a param buffer)
+    grad_views: list
+
+
+def materialize(
+    layout: ParamLayout,
+    shapes: Any = None,
+    *,
+    param_dtype: Any = None,
+    grad_dtype: Any = None,
+    device: Any = "cpu",
+    bind_main_grad: bool = False,
+) -> Materialized:
+    """Allocates the flat param/grad buffers of ``layout`` (zeroed) on ``device`` and returns per-param
+    views exactly as Megatron's ``_ParamAndGradBuffer._get`` makes them
+    (``buffer[start:start + numel].view(shape)``).
+
+    Args:
+        layout: a :class:`ParamLayout`.
+        shapes: per-param shapes (model order) or the params themselves; None for flat 1-D views.
+        param_dtype: dtype of the param buffer; None for no param buffer (DDP without distributed
+            optimizer keeps params where they are).
+        grad_dtype: dtype of the grad buffer (default torch.float32).
+        device: where to allocate (e.g. "cuda").
+        bind_main_grad: when ``shapes`` are params, set ``param.main_grad`` to its grad view.
+    """
+    import torch
+
+    if not isinstance(layout, ParamLayout):
+        raise TypeError(f"layout must be a ParamLayout from plan_layout (got {type(layout).__name__})")
+    grad_dtype = torch.float32 if grad_dtype is None else grad_dtype
+    for name, dtype in (("param_dtype", param_dtype), ("grad_dtype", grad_dtype)):
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{name} must be a torch.dtype (got {dtype!r})")
+    n = layout.num_params
+    numels = (layout.param_end - layout.param_start).tolist()
+    params = None
+    if shapes is None:
+        shape_list = [(k,) for k in numels]
+    else:
+        items = _param_list(shapes)
+        if len(items) != n:
+            raise ValueError(f"shapes must have one entry per param (got {len(items)} for {n} params)")
+        if items and isinstance(items[0], torch.Tensor):
+            params = items
+            shape_list = [tuple(p.shape) for p in items]
+        else:
+            shape_list = [tuple(int(d) for d in s) for s in items]
+        for i, (shape, numel) in enumerate(zip(shape_list, numels)):
+            if math.prod(shape) != numel:
+                raise ValueError(f"shapes[{i}] has {math.prod(shape)} elements but the layout holds {numel}")
+    if bind_main_grad and params is None:
+        raise ValueError("bind_main_grad needs the params themselves as shapes")
+    device = torch.device(device)
+    param_data = torch.zeros(layout.numel, dtype=param_dtype, device=device) if param_dtype is not None else None
+    grad_data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
+    starts = layout.param_start.tolist()
+    param_views, grad_views = [], []
+    for i in range(n):
+        start, end = starts[i], starts[i] + numels[i]
+        grad_views.append(grad_data[start:end].view(shape_list[i]))
+        param_views.append(param_data[start:end].view(shape_list[i]) if param_data is not None else None)
+        if bind_main_grad:
+            params[i].main_grad = grad_views[i]
+    return Materialized(param_data, grad_data, param_views, grad_views)

@@ -1,0 +1,643 @@
+"""Gradient-bucket planning: issue vectors, native == oracle on random models, Megatron's own entry
+points with and without trainfast's patch, bad input."""
+
+from __future__ import annotations
+
+import random
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.reference import buckets as ref
+
+with warnings.catch_warnings():
+    # megatron-core's optimizer package imports torch modules that warn on import (CPU, no TE).
+    warnings.simplefilter("ignore")
+    megatron_pgb = pytest.importorskip("megatron.core.distributed.param_and_grad_buffer")
+    pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
+
+from trainfast import buckets
+from trainfast._util import UpstreamAssertionError
+
+DPS = [1, 2, 3, 8, 64, 1000]
+
+
+def as_lists(layout):
+    return (
+        layout.param_start.tolist(),
+        layout.param_end.tolist(),
+        layout.bucket_id.tolist(),
+        [tuple(x) for x in layout.bucket_indices.tolist()],
+        layout.per_bucket_numel_unpadded.tolist(),
+    )
+
+
+def rows(table):
+    return list(
+        zip(
+            table.rank.tolist(),
+            table.bucket.tolist(),
+            table.param.tolist(),
+            map(tuple, table.gbuf_world.tolist()),
+            map(tuple, table.gbuf_world_in_bucket.tolist()),
+            map(tuple, table.gbuf_local.tolist()),
+            map(tuple, table.param_range.tolist()),
+        )
+    )
+
+
+# --- the issue's test vectors -----------------------------------------------------------------------
+
+
+def test_vector_two_params_one_bucket():
+    layout = buckets.plan_layout([97, 103], data_parallel_world_size=2)
+    assert layout.param_start.tolist() == [128, 0] and layout.param_end.tolist() == [225, 103]
+    assert layout.bucket_id.tolist() == [0, 0]
+    assert layout.bucket_indices.tolist() == [[0, 256]]
+    assert layout.per_bucket_numel_unpadded.tolist() == [225]
+    assert (layout.numel, layout.numel_unpadded) == (256, 225)
+
+
+def test_vector_bucket_size_split_and_default_layout():
+    layout = buckets.plan_layout([5000] * 3, bucket_size=8000, data_parallel_world_size=2)
+    assert list(zip(layout.param_start.tolist(), layout.param_end.tolist(), layout.bucket_id.tolist())) == [
+        (10112, 15112, 1), (5056, 10056, 0), (0, 5000, 0)
+    ]
+    assert layout.bucket_indices.tolist() == [[0, 10112], [10112, 15232]]
+    assert layout.per_bucket_numel_unpadded.tolist() == [10056, 5000]
+    default = buckets.plan_layout([5000] * 3, bucket_size=8000, data_parallel_world_size=2,
+                                  use_distributed_optimizer=False)
+    assert list(zip(default.param_start.tolist(), default.param_end.tolist(), default.bucket_id.tolist())) == [
+        (10000, 15000, 1), (5000, 10000, 0), (0, 5000, 0)
+    ]
+
+
+def test_vector_shared_embeddings():
+    layout = buckets.plan_layout([1000, 100, 1000, 1000], shared_embedding=[True, False, False, True],
+                                 data_parallel_world_size=4)
+    emb, a, b, head = zip(layout.param_start.tolist(), layout.param_end.tolist(), layout.bucket_id.tolist())
+    assert head == (0, 1000, 0) and b == (1024, 2024, 1) and a == (2048, 2148, 1) and emb == (2176, 3176, 2)
+    assert layout.bucket_indices.tolist() == [[0, 1024], [1024, 2176], [2176, 3200]]
+    assert layout.per_bucket_numel_unpadded.tolist() == [1000, 1152, 1000]
+
+
+def test_vector_dp3_and_busbw_padding():
+    assert buckets.plan_layout([1000], data_parallel_world_size=3).bucket_indices.tolist() == [[0, 1152]]
+    busbw = buckets.plan_layout([1000], data_parallel_world_size=3, pad_buckets_for_high_nccl_busbw=True)
+    assert busbw.bucket_indices.tolist() == [[0, 196608]]
+
+
+def test_vector_shard_ranges_rank1_bucket1():
+    layout = buckets.plan_layout([5000] * 3, bucket_size=8000, data_parallel_world_size=2)
+    table = buckets.shard_ranges(layout, 2)
+    mine = [r for r in rows(table) if r[0] == 1 and r[1] == 1]
+    assert mine == [(1, 1, 0, (12672, 15112), (2560, 5000), (0, 2440), (2560, 5000))]
+    assert rows(buckets.shard_ranges(layout, 2, rank=1)) == [r for r in rows(table) if r[0] == 1]
+
+
+def test_default_bucket_size():
+    assert buckets.default_bucket_size(8) == 40_000_000
+    assert buckets.default_bucket_size(256) == 256_000_000
+
+
+# --- differential: native == oracle ----------------------------------------------------------------
+
+
+@st.composite
+def models(draw):
+    n = draw(st.integers(0, 24))
+    big = draw(st.booleans())
+    numels = draw(st.lists(st.integers(0 if not big else 1, 10**7 if big else 5000), min_size=n, max_size=n))
+    where = draw(st.sampled_from(["none", "first", "last", "middle", "random", "all"]))
+    shared = [False] * n
+    if n:
+        if where == "first":
+            shared[0] = True
+        elif where == "last":
+            shared[-1] = True
+        elif where == "middle":
+            shared[n // 2] = True
+        elif where == "random":
+            shared = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        elif where == "all":
+            shared = [True] * n
+    dp = draw(st.sampled_from(DPS))
+    total = max(sum(numels), 1)
+    bucket_size = draw(st.sampled_from([None, 1, max(1, total // 7), max(1, total // 2), total * 2]))
+    return numels, shared, bucket_size, dp, draw(st.booleans()), draw(st.booleans())
+
+
+@given(models())
+def test_layout_and_ranges_match_oracle(model):
+    numels, shared, bucket_size, dp, distopt, busbw = model
+    layout = buckets.plan_layout(numels, shared_embedding=shared, bucket_size=bucket_size,
+                                 data_parallel_world_size=dp, use_distributed_optimizer=distopt,
+                                 pad_buckets_for_high_nccl_busbw=busbw)
+    expected = ref.layout(numels, shared, bucket_size, dp, distopt, busbw)
+    assert as_lists(layout) == expected
+    assert layout.numel == (expected[3][-1][1] if expected[3] else 0)
+    assert layout.numel_unpadded == sum(expected[4])
+    if distopt:
+        table = buckets.shard_ranges(layout, dp, num_threads=3)
+        assert rows(table) == ref.shard_ranges(*expected[:4], dp)
+        one = dp // 2
+        assert rows(buckets.shard_ranges(layout, dp, rank=one)) == [r for r in rows(table) if r[0] == one]
+        # every padded element of every bucket is owned exactly once across ranks
+        owned = int((table.gbuf_world[:, 1] - table.gbuf_world[:, 0]).sum()) if len(table.rank) else 0
+        assert owned == sum(numels)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_big_random_models_all_ranks(seed):
+    rng = random.Random(seed)
+    n = rng.randint(200, 2000)
+    numels = [rng.choice([rng.randint(1, 10**7), rng.randint(1, 4096), rng.randint(0, 64)]) for _ in range(n)]
+    shared = [False] * n
+    shared[0] = shared[-1] = rng.random() < 0.7
+    dp = rng.choice(DPS)
+    bucket_size = rng.choice([None, 10**6, 4 * 10**7])
+    layout = buckets.plan_layout(numels, shared_embedding=shared, bucket_size=bucket_size, data_parallel_world_size=dp)
+    expected = ref.layout(numels, shared, bucket_size, dp)
+    assert as_lists(layout) == expected
+    ranks = sorted(rng.sample(range(dp), min(dp, 5)))
+    table = buckets.shard_ranges(layout, dp, num_threads=2)
+    want = ref.shard_ranges(*expected[:4], dp, ranks=ranks)
+    got = [r for r in rows(table) if r[0] in set(ranks)]
+    assert got == want
+    # results never depend on the thread count
+    assert rows(buckets.shard_ranges(layout, dp, num_threads=1)) == rows(table)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=6), st.booleans(), st.booleans())
+def test_partition_matches_oracle(buffers_spec, force_single, rs_fp32):
+    flags = [False] * len(buffers_spec)
+    if buffers_spec and buffers_spec[0][0]:
+        flags[len(buffers_spec) // 2] = True  # at most one uint8 buffer
+    counts = [c for _, c in buffers_spec]
+    got = buckets.partition_bucket_indices(flags, counts, force_single_bucket_group=force_single,
+                                           reduce_scatter_with_fp32_accumulation=rs_fp32)
+    assert got.groups() == ref.partition(flags, counts, force_single, rs_fp32)
+
+
+def test_partition_vectors():
+    groups = buckets.partition_bucket_indices([False, True], [2, 3]).groups()
+    assert groups == [[(1, 0)], [(1, 1)], [(1, 2), (0, 0), (0, 1)]]
+    assert buckets.partition_bucket_indices([False, False], [2, 1]).groups() == [[(0, 0)], [(0, 1)], [(1, 0)]]
+    single = buckets.partition_bucket_indices([False, True], [2, 1], force_single_bucket_group=True)
+    assert single.groups() == [[(0, 0), (0, 1), (1, 0)]]
+    assert buckets.partition_bucket_indices([], []).groups() == []
+
+
+# --- drop-ins ------------------------------------------------------------------------------------------
+
+
+def make_params(rng, n, *, dtypes=(torch.bfloat16,), experts=False, shared_ends=False):
+    params = []
+    for i in range(n):
+        numel = rng.choice([rng.randint(1, 300), rng.randint(1, 5000)])
+        p = torch.nn.Parameter(torch.zeros(numel, dtype=rng.choice(dtypes)))
+        if experts and rng.random() < 0.4:
+            p.allreduce = False
+        params.append(p)
+    if shared_ends and n:
+        params[0].shared_embedding = True
+        params[-1].shared_embedding = True
+    return params
+
+
+def test_group_params_for_buffers_matches_oracle(monkeypatch):
+    from megatron.core import fp8_utils
+
+    rng = random.Random(3)
+    params = make_params(rng, 300, dtypes=(torch.bfloat16, torch.float32, torch.float16), experts=True)
+    fp8 = {id(p) for p in params if rng.random() < 0.3}
+    monkeypatch.setattr(fp8_utils, "is_float8tensor", lambda t: id(t) in fp8)
+    for fp32_grads in (False, True):
+        got = buckets.group_params_for_buffers(params, fp32_grads)
+        keys, fake = [], []
+        for p in params:
+            grad = torch.float if fp32_grads else p.dtype
+            expert = not getattr(p, "allreduce", True)
+            keys.append((torch.uint8 if id(p) in fp8 else p.dtype, grad, expert))
+            fake.append((p.dtype, grad, expert))
+        want = ref.group(keys, fake)
+        assert [(k.param_dtype, k.grad_dtype, k.is_expert_parallel) for k in got] == list(want)
+        for key, (plist, indices) in got.items():
+            idx, want_indices = want[(key.param_dtype, key.grad_dtype, key.is_expert_parallel)]
+            assert [id(p) for p in plist] == [id(params[i]) for i in idx]
+            assert indices == want_indices
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_buffer_and_full_layout_dropins(seed, monkeypatch):
+    from megatron.core import fp8_utils
+
+    rng = random.Random(5 + seed)
+    params = make_params(rng, 60, dtypes=(torch.bfloat16, torch.float32), experts=True, shared_ends=True)
+    fp8 = {id(p) for p in params if rng.random() < 0.25}
+    monkeypatch.setattr(fp8_utils, "is_float8tensor", lambda t: id(t) in fp8)
+    config = types.SimpleNamespace(grad_reduce_in_fp32=False, pad_buckets_for_high_nccl_busbw=False)
+    layout = buckets.compute_per_buffer_param_layout(params, 20000, 8, config, param_indices=list(range(60)))
+    starts, ends, ids, bucket_indices, unpadded = ref.layout(
+        [p.numel() for p in params], [getattr(p, "shared_embedding", False) for p in params], 20000, 8
+    )
+    assert list(layout.param_index_map) == params[::-1]
+    assert [layout.param_index_map[p] for p in params] == list(zip(starts, ends, ids))
+    assert layout.bucket_indices == bucket_indices and layout.per_bucket_numel_unpadded == unpadded
+    assert layout.param_indices == list(range(60)) and layout.num_optimizer_shards is None
+
+    default = buckets.compute_default_per_buffer_param_layout(params, 20000)
+    d_starts, d_ends, d_ids, d_buckets, _ = ref.layout([p.numel() for p in params], None, 20000, 1, distopt=False)
+    assert [default.param_index_map[p] for p in params] == list(zip(d_starts, d_ends, d_ids))
+    assert default.bucket_indices == d_buckets
+
+    config.grad_reduce_in_fp32 = bool(seed % 2)
+    full = buckets.compute_full_param_layout(params, 20000, 8, config, expert_data_parallel_world_size=2)
+    grouped = buckets.group_params_for_buffers(params, config.grad_reduce_in_fp32)
+    assert list(full.layouts) == list(grouped)
+    assert any(key.param_dtype == torch.uint8 for key in grouped) == bool(fp8)
+    for key, per_buffer in full.layouts.items():
+        plist, indices = grouped[key]
+        world = 2 if key.is_expert_parallel else 8
+        want = ref.layout([p.numel() for p in plist], [getattr(p, "shared_embedding", False) for p in plist],
+                          20000, world)
+        assert [per_buffer.param_index_map[p] for p in plist] == list(zip(*want[:3]))
+        assert per_buffer.param_indices == indices
+
+
+# --- real megatron-core: its own entry points with and without the patch --------------------------------
+
+
+class FakeGroup:
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.fixture
+def megatron_cpu(monkeypatch):
+    """Lets megatron-core 0.16's _ParamAndGradBuffer build on CPU without torch.distributed."""
+    pgb = pytest.importorskip("megatron.core.distributed.param_and_grad_buffer")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(pgb, "log_on_each_pipeline_stage", lambda *a, **k: None)
+    return pgb
+
+
+def build_buffer(pgb, params, *, dp, bucket_size, distopt, busbw=False, param_dtype=torch.bfloat16, group=None):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(use_distributed_optimizer=distopt, pad_buckets_for_high_nccl_busbw=busbw)
+    group = group or FakeGroup(dp)
+    pg = types.SimpleNamespace(tp=FakeGroup(1), dp_cp=group)
+    return pgb._ParamAndGradBuffer(
+        config, param_dtype, torch.float32, params, group, bucket_size, {p: f"p{i}" for i, p in enumerate(params)},
+        1.0, list(range(len(params))), False, pg_collection=pg,
+    ), config
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_megatron_buffer_layout_matches_dropins(megatron_cpu, seed):
+    rng = random.Random(seed)
+    params = make_params(rng, rng.randint(1, 80), shared_ends=rng.random() < 0.5)
+    dp = rng.choice(DPS)
+    bucket_size = rng.choice([None, 3000, 40000])
+    distopt = rng.random() < 0.7
+    busbw = rng.random() < 0.3
+    buffer, config = build_buffer(megatron_cpu, params, dp=dp, bucket_size=bucket_size, distopt=distopt, busbw=busbw)
+    if distopt:
+        ours = buckets.compute_per_buffer_param_layout(params, bucket_size, dp, config)
+    else:
+        ours = buckets.compute_default_per_buffer_param_layout(params, bucket_size)
+    assert list(ours.param_index_map.items()) == list(buffer.param_index_map.items())
+    assert ours.bucket_indices == list(buffer.bucket_indices)
+    assert sum(ours.per_bucket_numel_unpadded) == buffer.numel_unpadded
+    assert [b.numel_unpadded for b in buffer.buckets] == ours.per_bucket_numel_unpadded
+    # materialize lays views out as the buffer's _get does
+    layout = buckets.plan_layout([p.numel() for p in params],
+                                 shared_embedding=[getattr(p, "shared_embedding", False) for p in params],
+                                 bucket_size=bucket_size, data_parallel_world_size=dp,
+                                 use_distributed_optimizer=distopt, pad_buckets_for_high_nccl_busbw=busbw)
+    assert layout.numel == buffer.numel
+    views = buckets.materialize(layout, params, grad_dtype=torch.float32)
+    for p, view in zip(params, views.grad_views):
+        assert view.storage_offset() == p.main_grad.storage_offset() and view.shape == p.main_grad.shape
+
+
+def range_maps_as_tuples(data):
+    return [
+        (id(param), {name: (r.start, r.end, r.size) for name, r in ranges.items()})
+        for param, ranges in data["param_map"].items()
+    ]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_megatron_range_builders_with_and_without_patch(megatron_cpu, seed):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from trainfast.integrations import megatron
+
+    rng = random.Random(100 + seed)
+    params = make_params(rng, rng.randint(1, 60), shared_ends=rng.random() < 0.5)
+    dp = rng.choice([1, 2, 3, 8, 64])
+    buffer, _ = build_buffer(megatron_cpu, params, dp=dp, bucket_size=rng.choice([None, 2000, 30000]), distopt=True)
+    expected = {}
+    for r in range(dp):
+        buffer.data_parallel_group = FakeGroup(dp, r)
+        expected[r] = [range_maps_as_tuples(DistributedOptimizer._build_model_gbuf_range(buffer, b))
+                       for b in range(len(buffer.buckets))]
+    patched = megatron.patch()
+    try:
+        assert "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_gbuf_range" in patched
+        for r in range(dp):
+            buffer.data_parallel_group = FakeGroup(dp, r)
+            got = [range_maps_as_tuples(DistributedOptimizer._build_model_gbuf_range(buffer, b))
+                   for b in range(len(buffer.buckets))]
+            assert got == expected[r]
+    finally:
+        megatron.unpatch()
+    # and the array API agrees with megatron on every rank
+    starts = [buffer.param_index_map[p][0] for p in params]
+    ends = [buffer.param_index_map[p][1] for p in params]
+    ids = [buffer.param_index_map[p][2] for p in params]
+    want = ref.shard_ranges(starts, ends, ids, list(buffer.bucket_indices), dp)
+    got_rows = []
+    for r in range(dp):
+        for b, bucket_map in enumerate(expected[r]):
+            index_of = {id(p): i for i, p in enumerate(params)}
+            for pid, ranges in bucket_map:
+                got_rows.append((r, b, index_of[pid], ranges["gbuf_world"][:2], ranges["gbuf_world_in_bucket"][:2],
+                                 ranges["gbuf_local"][:2], ranges["param"][:2]))
+    assert got_rows == want
+
+
+def test_megatron_partition_buckets_with_and_without_patch(megatron_cpu):
+    from megatron.core.distributed import distributed_data_parallel as ddp_module
+
+    from trainfast.integrations import megatron
+
+    rng = random.Random(7)
+    bf16 = make_params(rng, 30)
+    fp8_like = [torch.nn.Parameter(torch.zeros(rng.randint(1, 4000), dtype=torch.uint8), requires_grad=False)
+                for _ in range(20)]
+    group = FakeGroup(2)
+    buf_a, _ = build_buffer(megatron_cpu, bf16, dp=2, bucket_size=3000, distopt=True, group=group)
+    buf_b, _ = build_buffer(megatron_cpu, fp8_like, dp=2, bucket_size=5000, distopt=True, param_dtype=torch.uint8,
+                            group=group)
+    cases = [([buf_a], False), ([buf_a, buf_b], False), ([buf_b, buf_a], False), ([buf_a, buf_b], True)]
+
+    def membership(groups):
+        return [[id(bucket) for bucket in g.buckets] for g in groups]
+
+    expected = [membership(ddp_module.partition_buckets(bufs, force)) for bufs, force in cases]
+    megatron.patch()
+    try:
+        assert ddp_module.partition_buckets.__trainfast_original__ is not None
+        got = [membership(ddp_module.partition_buckets(bufs, force)) for bufs, force in cases]
+    finally:
+        megatron.unpatch()
+    assert got == expected
+    with pytest.raises(AssertionError):
+        buckets.partition_buckets([buf_a, buf_a])
+
+
+def test_patch_is_reversible():
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from trainfast.integrations import megatron
+
+    original_partition = pgb.partition_buckets
+    original_range = DistributedOptimizer.__dict__["_build_model_gbuf_range"]
+    megatron.patch()
+    assert pgb.partition_buckets is not original_partition
+    assert isinstance(DistributedOptimizer.__dict__["_build_model_gbuf_range"], classmethod)
+    megatron.unpatch()
+    assert pgb.partition_buckets is original_partition
+    assert DistributedOptimizer.__dict__["_build_model_gbuf_range"] is original_range
+
+
+# --- materialize / summary ----------------------------------------------------------------------------
+
+
+def test_materialize_views_and_main_grad():
+    params = [torch.nn.Parameter(torch.zeros(3, 5)), torch.nn.Parameter(torch.zeros(7))]
+    layout = buckets.plan_layout([15, 7], data_parallel_world_size=2)
+    out = buckets.materialize(layout, params, param_dtype=torch.bfloat16, bind_main_grad=True)
+    assert out.grad_data.shape == (layout.numel,) and out.param_data.dtype == torch.bfloat16
+    assert params[0].main_grad.shape == (3, 5) and params[0].main_grad.storage_offset() == 64
+    params[1].main_grad.fill_(1)
+    assert out.grad_data[:7].sum() == 7 and out.grad_data[7:].sum() == 0
+    flat = buckets.materialize(layout)
+    assert [v.shape for v in flat.grad_views] == [(15,), (7,)] and flat.param_data is None
+
+
+def test_summary_mentions_buckets_and_padding():
+    layout = buckets.plan_layout([5000] * 3, bucket_size=8000, data_parallel_world_size=2)
+    text = layout.summary()
+    assert "3 params in 2 buckets" in text and "padding" in text and "per-rank shard" in text
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(numels=[1, 2], data_parallel_world_size=0), "data_parallel_world_size"),
+        (dict(numels=[1, 2], data_parallel_world_size=-3), "data_parallel_world_size"),
+        (dict(numels=[1, 2], bucket_size=0), "bucket_size"),
+        (dict(numels=[1, 2], bucket_size=-5), "bucket_size"),
+        (dict(numels=[1, -2]), "numels"),
+        (dict(numels=[1, 2], shared_embedding=[True]), "shared_embedding"),
+        (dict(numels=[[1, 2]]), "numels"),
+        (dict(numels=[2**62, 2**62]), "numels"),
+    ],
+)
+def test_plan_layout_bad_input(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        buckets.plan_layout(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(numels=[1.5]), "numels"),
+        (dict(numels="abc"), "numels"),
+        (dict(numels=[1], bucket_size=2.0), "bucket_size"),
+        (dict(numels=[1], data_parallel_world_size="2"), "data_parallel_world_size"),
+    ],
+)
+def test_plan_layout_bad_types(kwargs, name):
+    with pytest.raises(TypeError, match=name):
+        buckets.plan_layout(**kwargs)
+
+
+def test_shard_ranges_bad_input():
+    layout = buckets.plan_layout([100, 200], data_parallel_world_size=4)
+    with pytest.raises(ValueError, match="rank"):
+        buckets.shard_ranges(layout, 4, rank=4)
+    with pytest.raises(ValueError, match="rank"):
+        buckets.shard_ranges(layout, 4, rank=-1)
+    with pytest.raises(ValueError, match="data_parallel_world_size"):
+        buckets.shard_ranges(layout, 0)
+    with pytest.raises(ValueError, match="data_parallel_world_size"):
+        buckets.shard_ranges(layout, 5)  # the 384-element bucket does not divide by 5
+    with pytest.raises(TypeError, match="layout"):
+        buckets.shard_ranges({"param_start": [0]}, 2)
+    unpadded = buckets.plan_layout([100, 27], use_distributed_optimizer=False)
+    with pytest.raises(ValueError, match="data_parallel_world_size"):
+        buckets.shard_ranges(unpadded, 2)
+
+
+def test_partition_bad_input():
+    with pytest.raises(ValueError, match="is_uint8"):
+        buckets.partition_bucket_indices([True, True], [1, 1])
+    with pytest.raises(ValueError, match="num_buckets"):
+        buckets.partition_bucket_indices([True], [1, 1])
+    with pytest.raises(ValueError, match="num_buckets"):
+        buckets.partition_bucket_indices([False], [-1])
+
+
+def test_dropin_bad_input():
+    config = types.SimpleNamespace(pad_buckets_for_high_nccl_busbw=False, grad_reduce_in_fp32=False)
+    with pytest.raises(ValueError, match="data_parallel_world_size"):
+        buckets.compute_per_buffer_param_layout([torch.nn.Parameter(torch.zeros(3))], None, 0, config)
+    with pytest.raises(TypeError, match="params"):
+        buckets.compute_default_per_buffer_param_layout([object()], None)
+    with pytest.raises(AssertionError):
+        buckets.group_params_for_buffers([torch.zeros(3)], False)
+    with pytest.raises(ValueError, match="expert_data_parallel_world_size"):
+        buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(3))], None, 2, config, 0)
+    with pytest.raises(ValueError, match="shapes"):
+        buckets.materialize(buckets.plan_layout([4]), [(3,)])
+    assert isinstance(UpstreamAssertionError("x"), ValueError)
+    world = buckets._range_type()(0, 128)
+    with pytest.raises(ValueError, match="param_world_index_map"):
+        buckets.build_model_gbuf_param_range_map({"p": (0, 5)}, world, 0)
+    with pytest.raises(TypeError, match="param_world_index_map"):
+        buckets.build_model_gbuf_param_range_map({"p": ("a", 5, 0)}, world, 0)
+    with pytest.raises(TypeError, match="param_world_index_map"):
+        buckets.build_model_gbuf_param_range_map([("p", (0, 5, 0))], world, 0)
+    assert list(buckets.build_model_gbuf_param_range_map({"p": [0, 200, 0]}, world, 0)) == ["p"]
+
+
+def test_empty_model():
+    layout = buckets.plan_layout(np.zeros(0, dtype=np.int64), data_parallel_world_size=8)
+    assert layout.numel == 0 and layout.num_buckets == 0
+    assert len(buckets.shard_ranges(layout, 8).rank) == 0
+
+
+# --- CLI ----------------------------------------------------------------------------------------------
+
+
+def test_cli_json_spec(tmp_path, capsys):
+    import json
+
+    from trainfast.cli import main
+
+    spec = {"params": [{"name": "emb", "shape": [1000, 8], "shared_embedding": True},
+                       {"name": "w", "numel": 5000}, {"name": "e0", "shape": [64, 64], "expert": True},
+                       {"name": "head", "shape": [1000, 8], "shared_embedding": True}]}
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(spec))
+    assert main(["buckets", "--model", str(path), "--dp", "4", "--bucket-size", "6000"]) == 0
+    out = capsys.readouterr().out
+    assert "[dense buffer]" in out and "[expert buffer]" in out and "3 params in 3 buckets" in out
+    assert main(["buckets", "--model", "gpt", "--layers", "2", "--dp", "8", "--bucket-size", "none"]) == 0
+    assert "23 params in 3 buckets" in capsys.readouterr().out  # tied embedding + output sit alone
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    from trainfast.cli import main
+
+    assert main(["buckets", "--model", "gpt", "--dp", "0"]) == 2
+    assert main(["buckets", "--model", "gpt", "--bucket-size", "-4"]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"name": "x"}]')
+    assert main(["buckets", "--model", str(bad)]) == 2
+
+
+def test_builtin_specs():
+    from trainfast.cli.buckets import deepseek_v3_spec, gpt_spec
+
+    spec = deepseek_v3_spec()
+    assert 44_000 < len(spec.numels) < 46_000 and sum(spec.expert) == 58 * 256 * 3
+    assert spec.shared_embedding[0] and spec.shared_embedding[-1] and sum(spec.shared_embedding) == 2
+    assert len(gpt_spec(2).numels) == 23
+
+
+def test_patch_swaps_newer_layout_entry_points(monkeypatch):
+    """megatron-core 0.16 has no separate layout functions; newer releases do. Install stand-ins
+    written from upstream's semantics where newer releases define them, and check patch() swaps them
+    (module functions and DistributedOptimizer staticmethods) with identical results."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    from trainfast.integrations import megatron
+
+    def upstream_default(params, bucket_size):
+        starts, ends, ids, bucket_indices, unpadded = ref.layout([p.numel() for p in params], None, bucket_size,
+                                                                 1, distopt=False)
+        index_map = {params[i]: (starts[i], ends[i], ids[i]) for i in reversed(range(len(params)))}
+        return buckets.PerBufferParamLayout(index_map, bucket_indices, unpadded)
+
+    def upstream_per_buffer(params, bucket_size, data_parallel_world_size, ddp_config, param_indices=None):
+        starts, ends, ids, bucket_indices, unpadded = ref.layout(
+            [p.numel() for p in params], [getattr(p, "shared_embedding", False) for p in params], bucket_size,
+            data_parallel_world_size, busbw=ddp_config.pad_buckets_for_high_nccl_busbw)
+        index_map = {params[i]: (starts[i], ends[i], ids[i]) for i in reversed(range(len(params)))}
+        return buckets.PerBufferParamLayout(index_map, bucket_indices, unpadded, list(param_indices or []))
+
+    monkeypatch.setattr(megatron_pgb, "_compute_default_per_buffer_param_layout", upstream_default, raising=False)
+    monkeypatch.setattr(distrib_optimizer.DistributedOptimizer, "_compute_per_buffer_param_layout",
+                        staticmethod(upstream_per_buffer), raising=False)
+    rng = random.Random(11)
+    params = make_params(rng, 40, shared_ends=True)
+    config = types.SimpleNamespace(pad_buckets_for_high_nccl_busbw=True, grad_reduce_in_fp32=True)
+    D = distrib_optimizer.DistributedOptimizer
+    expected = (megatron_pgb._compute_default_per_buffer_param_layout(params, 5000),
+                D._compute_per_buffer_param_layout(params, 5000, 64, config, list(range(40))))
+    patched = megatron.patch()
+    try:
+        assert f"{megatron_pgb.__name__}._compute_default_per_buffer_param_layout" in patched
+        assert f"{distrib_optimizer.__name__}.DistributedOptimizer._compute_per_buffer_param_layout" in patched
+        assert isinstance(D.__dict__["_compute_per_buffer_param_layout"], staticmethod)
+        got = (megatron_pgb._compute_default_per_buffer_param_layout(params, 5000),
+               D._compute_per_buffer_param_layout(params, 5000, 64, config, list(range(40))))
+    finally:
+        megatron.unpatch()
+    for want, have in zip(expected, got):
+        assert list(have.param_index_map.items()) == list(want.param_index_map.items())
+        assert have.bucket_indices == want.bucket_indices
+        assert have.per_bucket_numel_unpadded == want.per_bucket_numel_unpadded
+        assert have.param_indices == want.param_indices
+    assert D.__dict__["_compute_per_buffer_param_layout"].__func__ is upstream_per_buffer
+
+
+def test_many_python_threads_get_the_same_ranges():
+    import threading
+
+    rng = random.Random(21)
+    numels = [rng.randint(1, 10**6) for _ in range(3000)]
+    layout = buckets.plan_layout(numels, bucket_size=2 * 10**6, data_parallel_world_size=64)
+    want = rows(buckets.shard_ranges(layout, 64, num_threads=1))
+    results = [None] * 8
+
+    def work(i):
+        results[i] = rows(buckets.shard_ranges(layout, 64, num_threads=1 + i % 3))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r == want for r in results)
