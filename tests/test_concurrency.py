@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from trainfast import checkpoint
+from trainfast import buckets, checkpoint
 
 
 def _checkpoint_call():
@@ -22,7 +22,23 @@ def _checkpoint_call():
     return tuple(t.tolist() for t in plan)
 
 
-CALLS = {"checkpoint.assign_bins": _checkpoint_call}
+def _buckets_call(num_threads=None):
+    rng = np.random.default_rng(3)
+    layout = buckets.plan_layout(rng.integers(1, 10**6, 3000), bucket_size=4_000_000, data_parallel_world_size=64)
+    return tuple(t.tolist() for t in buckets.shard_ranges(layout, 64, num_threads=num_threads))
+
+
+CALLS = {"checkpoint.assign_bins": _checkpoint_call, "buckets.shard_ranges": _buckets_call}
+# Kernels with a num_threads argument: same answer for any thread count.
+THREADED_CALLS = {"buckets.shard_ranges": _buckets_call}
+
+
+@pytest.mark.parametrize("name", sorted(THREADED_CALLS))
+def test_thread_count_does_not_change_results(name):
+    call = THREADED_CALLS[name]
+    expected = call(num_threads=1)
+    for num_threads in (2, 7, 1):
+        assert call(num_threads=num_threads) == expected
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
