@@ -39,7 +39,8 @@ py::tuple megatron_rank(int64_t num_layers, int64_t pp, std::optional<int64_t> v
                         int64_t pp_rank, std::optional<int64_t> vp_stage) {
   const auto values = pl::megatron_rank(
       make_spec(num_layers, pp, vpp, first, last, account_for_embedding, account_for_loss), pp_rank, or_none(vp_stage));
-  return py::make_tuple(values.num_layers_to_build, values.offset);
+  py::object offset = values.offset == pl::kNone ? py::object(py::none()) : py::object(py::int_(values.offset));
+  return py::make_tuple(values.num_layers_to_build, offset);
 }
 
 py::tuple paddle_plan(const CArray<int64_t>& stage_ids, int64_t pp, int64_t vpp) {
@@ -72,7 +73,7 @@ void register_pipeline(py::module_& m) {
   m.def("pipeline_megatron_rank", &megatron_rank, py::arg("num_layers"), py::arg("pp"), py::arg("vpp"),
         py::arg("first"), py::arg("last"), py::arg("account_for_embedding"), py::arg("account_for_loss"),
         py::arg("pp_rank"), py::arg("vp_stage"),
-        "(get_num_layers_to_build, get_transformer_layer_offset) of one rank of a validated spec.");
+        "(get_num_layers_to_build, get_transformer_layer_offset or None) of one rank of a validated spec.");
   m.def("pipeline_uneven_plan", [](int64_t num_layers, int64_t pp, int64_t vpp) {
           return plan_tuple(pl::uneven_plan(num_layers, pp, vpp));
         }, py::arg("num_layers"), py::arg("pp"), py::arg("vpp"),

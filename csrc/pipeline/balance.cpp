@@ -105,7 +105,8 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
   earliest[num_chunks] = n;
   for (int64_t c = num_chunks - 1; c >= 1; --c) {
     const int64_t end = earliest[c + 1];
-    int64_t a = 0, b = end - 1;  // cost(i, end) shrinks as i grows; find the smallest i that fits
+    // chunks before c need a layer each; cost(i, end) shrinks as i grows: find the smallest i that fits
+    int64_t a = c, b = end - 1;
     if (b > n - (num_chunks - c)) b = n - (num_chunks - c);
     while (a < b) {
       const int64_t m = a + (b - a) / 2;
@@ -116,23 +117,36 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
   }
   earliest[0] = 0;
 
-  // Start from chunks near equal cost: aim boundary c at prefix cost c/K of the total, clamped to
-  // positions that keep this chunk under the limit and the rest feasible.
-  std::vector<double> prefix(n + 1, 0.0);
-  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + layer_costs[i];
-  const double total = prefix[n];
+  // First split: each chunk aims at what keeps its stage on track for total / pp (the stage's earlier
+  // chunks' error is made up by its later ones), within the window that keeps the rest feasible.
+  double total = embedding_cost + 0.0;
+  for (int64_t i = 0; i < n; ++i) total += layer_costs[i];
+  const double ideal = (total + problem.loss) / static_cast<double>(pp);
   std::vector<int64_t> bounds(num_chunks + 1);
   bounds[0] = 0;
   bounds[num_chunks] = n;
-  int64_t cursor = 0;
+  std::vector<double> stage_so_far(pp, 0.0);
   for (int64_t c = 1; c < num_chunks; ++c) {
-    const double target = total * static_cast<double>(c) / static_cast<double>(num_chunks);
-    while (cursor < n && prefix[cursor + 1] <= target) ++cursor;
-    int64_t want = cursor;
-    if (cursor < n && target - prefix[cursor] > prefix[cursor + 1] - target) want = cursor + 1;
-    const int64_t low = std::max(earliest[c], bounds[c - 1] + 1);
-    const int64_t high = std::min(problem.reach(bounds[c - 1], limit, n), n - (num_chunks - c));
-    bounds[c] = std::min(std::max(want, low), high);
+    const int64_t stage = (c - 1) % pp, v = (c - 1) / pp, begin = bounds[c - 1];
+    const double target = static_cast<double>(v + 1) * ideal / static_cast<double>(vpp) - stage_so_far[stage];
+    const int64_t low = std::max(earliest[c], begin + 1);
+    const int64_t high = std::min(problem.reach(begin, limit, n), n - (num_chunks - c));
+    double sum = begin == 0 ? problem.embedding : 0.0;  // cost(begin, end) for growing end
+    for (int64_t i = begin; i < low; ++i) sum += layer_costs[i];
+    int64_t best_end = low;
+    double best_error = std::numeric_limits<double>::infinity(), best_cost = 0;
+    for (int64_t end = low; end <= high; ++end) {
+      if (end > low) sum += layer_costs[end - 1];
+      const double chunk = end == n ? sum + problem.loss : sum;
+      const double error = std::abs(chunk - target);
+      if (error < best_error) {
+        best_error = error;
+        best_end = end;
+        best_cost = chunk;
+      }
+    }
+    bounds[c] = best_end;
+    stage_so_far[stage] += best_cost;
   }
 
   std::vector<double> chunk_costs(num_chunks);
@@ -140,45 +154,66 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
   std::vector<double> stage_costs(pp);
   for (int64_t s = 0; s < pp; ++s) stage_costs[s] = stage_sum(chunk_costs, pp, s, -1, 0.0);
 
-  // Local search: move one boundary when that lowers the larger of its two stages' costs while
-  // both chunks stay under the limit. Each move shrinks the sorted stage-cost vector, so it ends.
-  constexpr int64_t kMaxWindow = 256, kMaxPasses = 1000;
+  // Local search over moves of boundary k (anywhere between its neighbours) and of boundaries k and
+  // k+1 together (each by up to kPairStep, which trades small cost differences). A move is taken when
+  // every chunk stays under the limit and the most expensive stage among those it changes gets
+  // cheaper; among those, the one with the cheapest most expensive stage around k wins (first on a
+  // tie). Every move shrinks the descending-sorted stage costs, so the search ends.
+  constexpr int64_t kMaxWindow = 256, kPairStep = 2, kMaxPasses = 1000;
+  struct Move {
+    int64_t b1, b2;
+    double costs[3];
+  };
   for (int64_t pass = 0; pp > 1 && pass < kMaxPasses; ++pass) {
     bool moved = false;
     for (int64_t k = 1; k < num_chunks; ++k) {
-      const int64_t left_stage = (k - 1) % pp, right_stage = k % pp;
-      const int64_t begin = bounds[k - 1], end = bounds[k + 1];
-      const double current = std::max(stage_costs[left_stage], stage_costs[right_stage]);
-      const int64_t lo_pos = std::max(begin + 1, bounds[k] - kMaxWindow);
-      const int64_t hi_pos = std::min(end - 1, bounds[k] + kMaxWindow);
-      int64_t best_pos = -1;
-      double best = current, best_left = 0, best_right = 0, best_left_stage = 0, best_right_stage = 0;
-      for (int64_t pos = lo_pos; pos <= hi_pos; ++pos) {
-        if (pos == bounds[k]) continue;
-        const double left = problem.cost(begin, pos);
-        if (left > limit) break;  // grows with pos
-        const double right = problem.cost(pos, end);
-        if (right > limit) continue;
-        const double ls = stage_sum(chunk_costs, pp, left_stage, k - 1, left);
-        const double rs = stage_sum(chunk_costs, pp, right_stage, k, right);
-        const double worst = std::max(ls, rs);
-        if (worst < best) {
-          best = worst;
-          best_pos = pos;
-          best_left = left;
-          best_right = right;
-          best_left_stage = ls;
-          best_right_stage = rs;
+      const bool has_next = k + 1 < num_chunks;
+      const int64_t b0 = bounds[k - 1], b1 = bounds[k], b2 = bounds[k + 1];
+      const int64_t b3 = has_next ? bounds[k + 2] : n;
+      const int64_t stages[3] = {(k - 1) % pp, k % pp, (k + 1) % pp};
+      const int num_around = has_next ? 3 : 2;
+      double best_score = std::numeric_limits<double>::infinity();
+      Move best{-1, -1, {0, 0, 0}};
+      auto consider = [&](int64_t nb1, int64_t nb2) {
+        if (!(b0 < nb1 && nb1 < nb2 && (has_next ? nb2 < b3 : nb2 == n))) return;
+        const bool left_changed = nb1 != b1, next_changed = nb2 != b2;
+        Move move{nb1, nb2, {chunk_costs[k - 1], 0.0, has_next ? chunk_costs[k + 1] : 0.0}};
+        if (left_changed && (move.costs[0] = problem.cost(b0, nb1)) > limit) return;
+        if ((move.costs[1] = problem.cost(nb1, nb2)) > limit) return;
+        if (next_changed && (move.costs[2] = problem.cost(nb2, b3)) > limit) return;
+        double old_changed = 0, new_changed = 0, score = 0;
+        for (int i = 0; i < num_around; ++i) {
+          const int64_t stage = stages[i];
+          double sum = 0.0;
+          for (int64_t c = stage; c < num_chunks; c += pp) {
+            sum += (c >= k - 1 && c <= k + 1 && c - (k - 1) < num_around) ? move.costs[c - (k - 1)] : chunk_costs[c];
+          }
+          score = std::max(score, sum);
+          const bool changed = (i == 0 && left_changed) || i == 1 || (i == 2 && next_changed);
+          if (changed) {
+            old_changed = std::max(old_changed, stage_costs[stage]);
+            new_changed = std::max(new_changed, sum);
+          }
+        }
+        if (new_changed < old_changed && score < best_score) {
+          best_score = score;
+          best = move;
+        }
+      };
+      for (int64_t nb1 = std::max(b0 + 1, b1 - kMaxWindow); nb1 <= std::min(b2 - 1, b1 + kMaxWindow); ++nb1) {
+        if (nb1 != b1) consider(nb1, b2);
+      }
+      for (int64_t d1 = -kPairStep; has_next && d1 <= kPairStep; ++d1) {
+        for (int64_t d2 = -kPairStep; d2 <= kPairStep; ++d2) {
+          if (d2 != 0) consider(b1 + d1, b2 + d2);
         }
       }
-      if (best_pos >= 0) {
-        bounds[k] = best_pos;
-        chunk_costs[k - 1] = best_left;
-        chunk_costs[k] = best_right;
-        stage_costs[left_stage] = best_left_stage;
-        stage_costs[right_stage] = best_right_stage;
-        moved = true;
-      }
+      if (best.b1 < 0) continue;
+      bounds[k] = best.b1;
+      if (has_next) bounds[k + 1] = best.b2;
+      for (int i = 0; i < num_around; ++i) chunk_costs[k - 1 + i] = best.costs[i];
+      for (int i = 0; i < num_around; ++i) stage_costs[stages[i]] = stage_sum(chunk_costs, pp, stages[i], -1, 0.0);
+      moved = true;
     }
     if (!moved) break;
   }

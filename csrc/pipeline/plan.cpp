@@ -289,9 +289,7 @@ RankValues megatron_rank(const MegatronSpec& spec, int64_t pp_rank, int64_t vp_s
   TF_CHECK_ARG(vp_stage == kNone || (vp_stage >= 0 && vp_stage < nv), "vp_stage", vp_stage,
                ("must be None or in [0, " + std::to_string(nv) + ")").c_str());
   if (vp_stage == kNone && is_set(spec.vpp) && spec.pp > 1) {
-    throw std::invalid_argument(
-        "vp_stage must be provided if virtual pipeline model parallel size is set (got None, "
-        "virtual_pipeline_model_parallel_size=" + std::to_string(spec.vpp) + ")");
+    return {count_formula(spec, pp_rank, vp_stage), kNone};  // upstream's offset asserts here
   }
   return {count_formula(spec, pp_rank, vp_stage), offset_formula(spec, pp_rank, vp_stage)};
 }

@@ -44,7 +44,8 @@ void validate_megatron(const MegatronSpec& spec);
 ChunkPlan megatron_plan(const MegatronSpec& spec);
 
 // Upstream's per-rank values for a validated spec; vp_stage may be kNone (upstream's quirks apply:
-// a missing vp_stage with vpp > 1 is neither the first nor the last virtual stage).
+// a missing vp_stage with vpp > 1 is neither the first nor the last virtual stage; the offset is
+// kNone where upstream's get_transformer_layer_offset asserts that vp_stage is given).
 struct RankValues {
   int64_t num_layers_to_build;
   int64_t offset;

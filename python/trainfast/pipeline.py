@@ -337,7 +337,7 @@ def _megatron_args(spec: tuple) -> tuple:
     return spec[:7]
 
 
-def _rank_values(config: Any, vp_stage: Any, pp_rank: Any) -> tuple[int, int]:
+def _rank_values(config: Any, vp_stage: Any, pp_rank: Any) -> tuple[int, Optional[int]]:
     spec = _read_config(config)
     layout = spec[7]
     if layout is not None:
@@ -378,7 +378,13 @@ def get_transformer_layer_offset(config: Any, vp_stage: int | None = None, pp_ra
     Same arguments and validation as :func:`get_num_layers_to_build`. Where upstream divides by zero
     (uneven first *and* last stage with vpp and pp=2), this returns the offset its formula means.
     """
-    return _rank_values(config, vp_stage, pp_rank)[1]
+    offset = _rank_values(config, vp_stage, pp_rank)[1]
+    if offset is None:
+        raise UpstreamAssertionError(
+            "vp_stage must be provided if virtual pipeline model parallel size is set "
+            f"(config.virtual_pipeline_model_parallel_size={getattr(config, 'virtual_pipeline_model_parallel_size', None)})"
+        )
+    return offset
 
 
 # --------------------------------------------------------------------------------------------------
