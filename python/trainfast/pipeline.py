@@ -19,8 +19,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import sys
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any, Literal, Optional
 
 import numpy as np
@@ -353,6 +355,46 @@ def _rank_values(config: Any, vp_stage: Any, pp_rank: Any) -> tuple[int, Optiona
         raise UpstreamAssertionError(str(error)) from None
 
 
+_CONFIG_FIELD_NAMES = (
+    "num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
+)
+_CONFIG_FIELDS = operator.attrgetter(
+    "num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_table(fields: tuple) -> dict:
+    """{(pp_rank, vp_stage): (num_layers_to_build, offset)} of a config without layout (validated)."""
+    spec = _read_config(SimpleNamespace(**dict(zip(_CONFIG_FIELD_NAMES, fields))))
+    try:
+        counts, offsets = _core.pipeline_megatron_plan(*_megatron_args(spec))
+    except ValueError as error:
+        raise UpstreamAssertionError(str(error)) from None
+    pp = spec[1]
+    return {(c % pp, c // pp): (count, offset) for c, (count, offset) in enumerate(zip(counts.tolist(), offsets.tolist()))}
+
+
+def _fast_lookup(config: Any, vp_stage: Any, pp_rank: Any) -> Optional[tuple[int, int]]:
+    """The cached (count, offset) when both ranks are given as ints and there is no layout."""
+    if type(pp_rank) is not int or type(vp_stage) is not int:
+        return None
+    try:
+        fields = _CONFIG_FIELDS(config)
+        if fields[7] is not None:
+            return None
+        for value in fields[:5]:  # 2.0 == 2 would share a cache entry; such values take the checked path
+            if value is not None and type(value) is not int:
+                return None
+        return _rank_table(fields).get((pp_rank, vp_stage))
+    except (AttributeError, TypeError):  # missing fields take defaults, unhashable ones are checked
+        return None
+
+
 def get_num_layers_to_build(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> int:
     """Drop-in for ``megatron.core.transformer.transformer_block.get_num_layers_to_build``.
 
@@ -369,6 +411,9 @@ def get_num_layers_to_build(config: Any, vp_stage: int | None = None, pp_rank: i
     :class:`~trainfast._util.UpstreamAssertionError` (a ValueError and AssertionError) saying which
     layers would be lost; so do splits upstream would silently get wrong (e.g. vpp with pp=1).
     """
+    hit = _fast_lookup(config, vp_stage, pp_rank)
+    if hit is not None:
+        return hit[0]
     return _rank_values(config, vp_stage, pp_rank)[0]
 
 
@@ -378,6 +423,9 @@ def get_transformer_layer_offset(config: Any, vp_stage: int | None = None, pp_ra
     Same arguments and validation as :func:`get_num_layers_to_build`. Where upstream divides by zero
     (uneven first *and* last stage with vpp and pp=2), this returns the offset its formula means.
     """
+    hit = _fast_lookup(config, vp_stage, pp_rank)
+    if hit is not None:
+        return hit[1]
     offset = _rank_values(config, vp_stage, pp_rank)[1]
     if offset is None:
         raise UpstreamAssertionError(
