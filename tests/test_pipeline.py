@@ -592,3 +592,28 @@ def test_cli_pipeline_bad_input_exit_code():
         capture_output=True, text=True,
     )
     assert result.returncode == 2 and "would be lost" in result.stderr
+
+
+def test_megatron_integration_patches_the_pipeline_functions(mcore):
+    from trainfast.integrations import megatron as integration
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    config = mcore.make_config(num_layers=7, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                               account_for_embedding_in_pipeline_split=True)
+    before = [(transformer_block.get_num_layers_to_build(config, v, p), transformer_layer.get_transformer_layer_offset(config, v, p))
+              for v in range(2) for p in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patched = integration.patch()
+    try:
+        assert "megatron.core.transformer.transformer_block.get_num_layers_to_build" in patched
+        assert "megatron.core.transformer.transformer_block.get_transformer_layer_offset" in patched
+        assert transformer_block.get_num_layers_to_build.__trainfast_original__ is mcore.num_layers_to_build
+        after = [(transformer_block.get_num_layers_to_build(config, v, p), transformer_block.get_transformer_layer_offset(config, v, p))
+                 for v in range(2) for p in range(2)]
+        assert after == before == [(1, 0), (2, 1), (2, 3), (2, 5)]
+        with pytest.raises(AssertionError, match="layer 6 would be lost"):
+            transformer_layer.get_transformer_layer_offset(SimpleNamespace(num_layers=7, pipeline_model_parallel_size=2), None, 1)
+    finally:
+        integration.unpatch()
+    assert transformer_block.get_num_layers_to_build is mcore.num_layers_to_build

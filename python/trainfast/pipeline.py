@@ -410,6 +410,8 @@ def get_num_layers_to_build(config: Any, vp_stage: int | None = None, pp_rank: i
     exactly once. Everything upstream asserts or rejects in ``TransformerConfig`` raises
     :class:`~trainfast._util.UpstreamAssertionError` (a ValueError and AssertionError) saying which
     layers would be lost; so do splits upstream would silently get wrong (e.g. vpp with pp=1).
+    With a layout, upstream ignores ``pp_rank`` and reads the global rank; here a given ``pp_rank``
+    is used (the same whenever it is the caller's rank).
     """
     hit = _fast_lookup(config, vp_stage, pp_rank)
     if hit is not None:
