@@ -466,7 +466,7 @@ def test_balanced_layout_is_optimal_brute_force(pp, vpp, data):
     assert best_stage <= result.max_stage_cost
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_balanced_layout_is_optimal_dp(seed):
     rng = random.Random(seed)
     pp, vpp = rng.randint(1, 4), rng.randint(1, 3)

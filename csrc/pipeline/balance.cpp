@@ -61,6 +61,64 @@ double stage_sum(const std::vector<double>& chunk_costs, int64_t pp, int64_t sta
   return sum;
 }
 
+// When single and pair moves are stuck, shift boundaries i..j together by one layer (d = +1 or -1):
+// chunk i-1 and chunk j change length, the chunks between slide, so load moves between stages that
+// are not neighbours. For each i the move with the cheapest most expensive changed stage is taken if
+// that stage is cheaper than the most expensive one it changes (so the search still ends).
+bool chain_moves(const Problem& problem, double limit, int64_t pp, std::vector<int64_t>& bounds,
+                 std::vector<double>& chunk_costs, std::vector<double>& stage_costs) {
+  const auto num_chunks = static_cast<int64_t>(chunk_costs.size());
+  bool moved = false;
+  std::vector<double> trial;  // new costs of chunks i-1 .. j
+  std::vector<char> seen(pp);
+  for (int64_t i = 1; i < num_chunks; ++i) {
+    double best = std::numeric_limits<double>::infinity();
+    int64_t best_d = 0, best_j = -1;
+    std::vector<double> best_trial;
+    for (int64_t d : {int64_t{-1}, int64_t{1}}) {
+      if (bounds[i] + d <= bounds[i - 1]) continue;
+      trial.assign(1, problem.cost(bounds[i - 1], bounds[i] + d));
+      if (trial[0] > limit) continue;
+      for (int64_t j = i; j < num_chunks && j <= i + pp; ++j) {
+        if (j > i) {  // chunk j-1 now slides whole
+          const double slid = problem.cost(bounds[j - 1] + d, bounds[j] + d);
+          if (slid > limit) break;
+          trial.resize(j - i);
+          trial.push_back(slid);
+        }
+        if (bounds[j] + d >= bounds[j + 1]) continue;
+        trial.resize(j - i + 1);
+        const double last = problem.cost(bounds[j] + d, bounds[j + 1]);
+        if (last > limit) continue;
+        trial.push_back(last);
+        double old_max = 0, new_max = 0;
+        std::fill(seen.begin(), seen.end(), 0);
+        for (int64_t c = i - 1; c <= j; ++c) {
+          const int64_t stage = c % pp;
+          if (seen[stage]) continue;
+          seen[stage] = 1;
+          double sum = 0.0;
+          for (int64_t k = stage; k < num_chunks; k += pp) sum += (k >= i - 1 && k <= j) ? trial[k - (i - 1)] : chunk_costs[k];
+          old_max = std::max(old_max, stage_costs[stage]);
+          new_max = std::max(new_max, sum);
+        }
+        if (new_max < old_max && new_max < best) {
+          best = new_max;
+          best_d = d;
+          best_j = j;
+          best_trial = trial;
+        }
+      }
+    }
+    if (best_j < 0) continue;
+    for (int64_t c = i; c <= best_j; ++c) bounds[c] += best_d;
+    for (int64_t c = i - 1; c <= best_j; ++c) chunk_costs[c] = best_trial[c - (i - 1)];
+    for (int64_t c = i - 1; c <= best_j; ++c) stage_costs[c % pp] = stage_sum(chunk_costs, pp, c % pp, -1, 0.0);
+    moved = true;
+  }
+  return moved;
+}
+
 }  // namespace
 
 double chunk_cost(std::span<const double> layer_costs, int64_t begin, int64_t end, double embedding_cost,
@@ -215,6 +273,7 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
       for (int i = 0; i < num_around; ++i) stage_costs[stages[i]] = stage_sum(chunk_costs, pp, stages[i], -1, 0.0);
       moved = true;
     }
+    if (!moved) moved = chain_moves(problem, limit, pp, bounds, chunk_costs, stage_costs);
     if (!moved) break;
   }
 

@@ -400,5 +400,49 @@ def balanced_layout(costs: list[float], pp: int, vpp: int, embedding: float = 0.
                 bounds[k], bounds[k + 1], chunks, stages = best[0], best[1], best[2], best[3]
                 moved = True
         if not moved:
+            moved = _chain_moves(cost, limit, pp, bounds, chunks, stages)
+        if not moved:
             break
     return bounds, chunks, stages
+
+
+def _chain_moves(cost, limit: float, pp: int, bounds: list[int], chunks: list[float], stages: list[float]) -> bool:
+    """Shift boundaries i..j together by one layer; per i take the move with the cheapest costliest
+    changed stage if it beats the costliest stage it changes. Updates the lists in place."""
+    num_chunks, moved = len(chunks), False
+    for i in range(1, num_chunks):
+        best, choice = float("inf"), None
+        for d in (-1, 1):
+            if bounds[i] + d <= bounds[i - 1]:
+                continue
+            first = cost(bounds[i - 1], bounds[i] + d)
+            if first > limit:
+                continue
+            slid = []  # new costs of chunks i .. j-1
+            for j in range(i, min(num_chunks - 1, i + pp) + 1):
+                if j > i:
+                    moved_chunk = cost(bounds[j - 1] + d, bounds[j] + d)
+                    if moved_chunk > limit:
+                        break
+                    slid.append(moved_chunk)
+                if bounds[j] + d >= bounds[j + 1]:
+                    continue
+                last = cost(bounds[j] + d, bounds[j + 1])
+                if last > limit:
+                    continue
+                trial = list(chunks)
+                trial[i - 1:j + 1] = [first, *slid, last]
+                trial_stages = stage_costs(trial, pp)
+                changed = {c % pp for c in range(i - 1, j + 1)}
+                old_max = max(stages[s] for s in changed)
+                new_max = max(trial_stages[s] for s in changed)
+                if new_max < old_max and new_max < best:
+                    best, choice = new_max, (d, j, trial, trial_stages)
+        if choice is not None:
+            d, j, trial, trial_stages = choice
+            for c in range(i, j + 1):
+                bounds[c] += d
+            chunks[:] = trial
+            stages[:] = trial_stages
+            moved = True
+    return moved
