@@ -57,7 +57,7 @@ class Patcher:
         for target in self.targets:
             try:
                 module = importlib.import_module(target.module)
-            except ImportError as error:
+            except Exception as error:  # optional modules can fail in other ways too (warnings as errors)
                 if target.required:
                     raise ImportError(
                         f"trainfast cannot patch {self.package}: {target.module} is not importable ({error})"

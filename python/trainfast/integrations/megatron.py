@@ -156,3 +156,36 @@ patcher.add(_DISTOPT, "DistributedOptimizer.compute_full_param_layout", _full_la
 patch = patcher.patch
 unpatch = patcher.unpatch
 is_patched = patcher.is_patched
+
+
+# Pipeline layer split: upstream's function and the modules that import it by name.
+def _pipeline_drop_in(name):
+    def make(original):
+        from trainfast import pipeline
+
+        drop_in = getattr(pipeline, name)
+
+        def replacement(config, vp_stage=None, pp_rank=None):
+            return drop_in(config, vp_stage=vp_stage, pp_rank=pp_rank)
+
+        return replacement
+
+    return make
+
+
+_SPEC_MODULES = (
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs",
+    "megatron.core.models.gpt.experimental_attention_variant_module_specs",
+    "megatron.core.post_training.modelopt.gpt.model_specs",
+)
+patcher.add("megatron.core.transformer.transformer_block", "get_num_layers_to_build",
+            _pipeline_drop_in("get_num_layers_to_build"))
+patcher.add("megatron.core.transformer.transformer_layer", "get_transformer_layer_offset",
+            _pipeline_drop_in("get_transformer_layer_offset"))
+for _module in ("megatron.core.transformer.transformer_block", "megatron.core.transformer.multi_token_prediction",
+                *_SPEC_MODULES):
+    patcher.add(_module, "get_transformer_layer_offset", _pipeline_drop_in("get_transformer_layer_offset"),
+                required=False)
+for _module in _SPEC_MODULES:
+    patcher.add(_module, "get_num_layers_to_build", _pipeline_drop_in("get_num_layers_to_build"), required=False)
