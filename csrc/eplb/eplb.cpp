@@ -29,106 +29,124 @@ Acc add_load(Acc a, Acc b) {
   }
 }
 
-// Min-heap of the non-full packs keyed by (load, pack index): upstream's min() over the packs in
-// index order keeps the first of equal loads.
+// Winner tree over n leaves (padded to a power of two): each node holds the better leaf of its
+// subtree, the lower index winning ties, so the root is the first best leaf, like upstream's
+// min()/max(). Updates touch one root path and select with conditional moves (no mispredictions).
+template <typename Key, bool kMin>
+class Tournament {
+ public:
+  void reset(int64_t n) {
+    size_ = 1;
+    while (size_ < n) size_ *= 2;
+    key_.assign(size_, Key{});
+    valid_.assign(size_, 0);
+    std::fill(valid_.begin(), valid_.begin() + n, 1);
+    tree_.resize(2 * size_);
+  }
+  Key& key(int64_t leaf) { return key_[leaf]; }
+  const Key& key(int64_t leaf) const { return key_[leaf]; }
+  void disable(int64_t leaf) { valid_[leaf] = 0; }
+  void build() {
+    for (int64_t i = 0; i < size_; ++i) tree_[size_ + i] = i;
+    for (int64_t pos = size_ - 1; pos >= 1; --pos) tree_[pos] = pick(tree_[2 * pos], tree_[2 * pos + 1]);
+  }
+  // Replays the matches on leaf's root path, carrying the winner's key in registers: sibling
+  // winners do not depend on this update, so the only serial work per level is one compare.
+  void update(int64_t leaf) {
+    int64_t winner = leaf;
+    Key winner_key = key_[leaf];
+    bool winner_valid = valid_[leaf];
+    for (int64_t pos = size_ + leaf; pos > 1; pos >>= 1) {
+      const int64_t other = tree_[pos ^ 1];
+      const Key other_key = key_[other];
+      const bool other_valid = valid_[other];
+      // The left subtree holds the lower indices: the right side wins only when strictly better.
+      const bool other_better = kMin ? other_key < winner_key : winner_key < other_key;
+      const bool winner_better = kMin ? winner_key < other_key : other_key < winner_key;
+      const bool take_other = (pos & 1) ? !(winner_valid & (!other_valid | winner_better))
+                                        : other_valid & (!winner_valid | other_better);
+      winner = take_other ? other : winner;
+      winner_key = take_other ? other_key : winner_key;
+      winner_valid = take_other ? other_valid : winner_valid;
+      tree_[pos >> 1] = winner;
+    }
+  }
+  int64_t top() const { return size_ == 1 ? 0 : tree_[1]; }
+
+ private:
+  // `a` covers lower indices than `b`: b wins only when valid and strictly better (or a invalid).
+  int64_t pick(int64_t a, int64_t b) const {
+    const bool b_better = kMin ? key_[b] < key_[a] : key_[a] < key_[b];
+    const bool take_b = valid_[b] & (!valid_[a] | b_better);
+    return take_b ? b : a;
+  }
+
+  int64_t size_ = 1;
+  std::vector<Key> key_;
+  std::vector<uint8_t> valid_;
+  std::vector<int64_t> tree_;
+};
+
+// The non-full packs keyed by load: upstream's min() over the packs in index order keeps the first
+// of equal loads.
 template <typename Acc>
 class PackHeap {
  public:
   void reset(int64_t num_packs, int64_t capacity) {
     capacity_ = capacity;
-    load_.assign(num_packs, Acc{0});
     count_.assign(num_packs, 0);
-    heap_.resize(num_packs);
-    std::iota(heap_.begin(), heap_.end(), int64_t{0});  // equal loads, ascending index: a heap
-    size_ = num_packs;
+    tree_.reset(num_packs);
+    tree_.build();
   }
 
   // Puts an item of load `value` into the lightest non-full pack; returns (pack, rank in pack).
   std::pair<int64_t, int64_t> add(Acc value) {
-    const int64_t pack = heap_[0];
+    const int64_t pack = tree_.top();
     const int64_t rank = count_[pack]++;
-    load_[pack] = add_load(load_[pack], value);
-    if (count_[pack] == capacity_) heap_[0] = heap_[--size_];
-    if (size_ > 0) sift_down(0);
+    tree_.key(pack) = add_load(tree_.key(pack), value);
+    if (count_[pack] == capacity_) tree_.disable(pack);
+    tree_.update(pack);
     return {pack, rank};
   }
 
  private:
-  bool before(int64_t a, int64_t b) const {
-    return load_[a] < load_[b] || (load_[a] == load_[b] && a < b);
-  }
-  void sift_down(int64_t pos) {
-    const int64_t item = heap_[pos];
-    for (;;) {
-      int64_t child = 2 * pos + 1;
-      if (child >= size_) break;
-      if (child + 1 < size_ && before(heap_[child + 1], heap_[child])) ++child;
-      if (!before(heap_[child], item)) break;
-      heap_[pos] = heap_[child];
-      pos = child;
-    }
-    heap_[pos] = item;
-  }
-
   int64_t capacity_ = 0;
-  int64_t size_ = 0;
-  std::vector<Acc> load_;
   std::vector<int64_t> count_;
-  std::vector<int64_t> heap_;
+  Tournament<Acc, true> tree_;
 };
 
-// Max-heap of experts keyed by (load per replica descending, index ascending): upstream's
-// `(weight / logcnt).max(-1).indices`, which returns the first maximum.
+// Experts keyed by load per replica: upstream's `(weight / logcnt).max(-1).indices`, which returns
+// the first maximum.
 template <typename Quotient>
 class ReplicaHeap {
  public:
   template <typename Value>
   void reset(const Value* weight, int64_t num_log) {
     weight_q_.resize(num_log);
-    per_replica_.resize(num_log);
     count_.assign(num_log, 1);
-    heap_.resize(num_log);
+    tree_.reset(num_log);
     for (int64_t e = 0; e < num_log; ++e) {
       weight_q_[e] = static_cast<Quotient>(weight[e]);
-      per_replica_[e] = weight_q_[e];  // x / 1 == x
-      heap_[e] = e;
+      tree_.key(e) = weight_q_[e];  // x / 1 == x
     }
-    for (int64_t pos = num_log / 2 - 1; pos >= 0; --pos) sift_down(pos);
+    tree_.build();
   }
 
   // Adds a replica to the expert with the largest load per replica; returns (expert, its rank).
   std::pair<int64_t, int64_t> add() {
-    const int64_t expert = heap_[0];
+    const int64_t expert = tree_.top();
     const int64_t rank = count_[expert]++;
-    per_replica_[expert] = weight_q_[expert] / static_cast<Quotient>(count_[expert]);
-    sift_down(0);
+    tree_.key(expert) = weight_q_[expert] / static_cast<Quotient>(count_[expert]);
+    tree_.update(expert);
     return {expert, rank};
   }
 
   const std::vector<int64_t>& counts() const { return count_; }
 
  private:
-  bool before(int64_t a, int64_t b) const {
-    return per_replica_[a] > per_replica_[b] || (per_replica_[a] == per_replica_[b] && a < b);
-  }
-  void sift_down(int64_t pos) {
-    const int64_t size = static_cast<int64_t>(heap_.size());
-    const int64_t item = heap_[pos];
-    for (;;) {
-      int64_t child = 2 * pos + 1;
-      if (child >= size) break;
-      if (child + 1 < size && before(heap_[child + 1], heap_[child])) ++child;
-      if (!before(heap_[child], item)) break;
-      heap_[pos] = heap_[child];
-      pos = child;
-    }
-    heap_[pos] = item;
-  }
-
   std::vector<Quotient> weight_q_;
-  std::vector<Quotient> per_replica_;
   std::vector<int64_t> count_;
-  std::vector<int64_t> heap_;
+  Tournament<Quotient, false> tree_;
 };
 
 template <typename Value>
