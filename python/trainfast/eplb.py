@@ -138,6 +138,7 @@ def rebalance_experts(
     num_groups: int,
     num_nodes: int,
     num_gpus: int,
+    enable_hierarchical: bool | None = None,
     *,
     tie_break: TieBreak = "torch",
     refine: bool = False,
@@ -155,6 +156,7 @@ def rebalance_experts(
             else the global one (one group, one node).
         num_nodes: server nodes (fast intra-node network).
         num_gpus: GPUs, a multiple of ``num_nodes`` (hierarchical policy).
+        enable_hierarchical: SGLang's variant of the API: forces the policy (None: DeepSeek's rule).
         tie_break: ``"torch"`` (default, bit-identical to upstream on this torch) or ``"stable"``.
         refine: swap replicas to lower each node's heaviest GPU after the greedy packing.
         avoid_gpu_duplicates: keep replicas of one expert on distinct GPUs where the greedy can.
@@ -178,7 +180,8 @@ def rebalance_experts(
     num_gpus = _count(num_gpus, "num_gpus")
     check_choice(tie_break, "tie_break", _TIE_BREAKS)
     num_logical = tensor.shape[1]
-    if num_groups % num_nodes == 0:
+    hierarchical = num_groups % num_nodes == 0 if enable_hierarchical is None else bool(enable_hierarchical)
+    if hierarchical:
         _check_hierarchical(num_logical, num_replicas, num_groups, num_nodes, num_gpus, "num_replicas")
         groups, nodes = num_groups, num_nodes
     else:  # upstream's global policy

@@ -8,6 +8,9 @@ kept as torch calls, exactly as upstream makes them:
 - group loads come from ``weight.unflatten(-1, (num_groups, group_size)).sum(-1)``.
 
 Everything else (greedy choices, float32 accumulation, index arithmetic) is spelled out.
+
+``tie_break="stable"`` is trainfast's torch-independent mode: a stable descending sort (ties keep
+the lower index first) and group loads summed in float32 in index order.
 """
 
 from __future__ import annotations
@@ -15,7 +18,23 @@ from __future__ import annotations
 import torch
 
 
-def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _descending_order(values: torch.Tensor, stable: bool) -> torch.Tensor:
+    if stable:
+        return values.float().sort(dim=-1, descending=True, stable=True).indices.cpu()
+    return values.float().sort(-1, descending=True).indices.cpu()
+
+
+def _group_loads(weight: torch.Tensor, num_groups: int, stable: bool) -> torch.Tensor:
+    group_size = weight.shape[1] // num_groups
+    if not stable:
+        return weight.unflatten(-1, (num_groups, group_size)).sum(-1)
+    loads = torch.zeros(weight.shape[0], num_groups, dtype=weight.dtype)
+    for member in range(group_size):  # float32 adds in index order
+        loads += weight[:, member::group_size]
+    return loads
+
+
+def balanced_packing(weight: torch.Tensor, num_packs: int, stable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's items, heaviest first, go to the non-full pack with the smallest load.
 
     Returns ``(pack_index, rank_in_pack)``, int64 ``[rows, n]``; rank = arrival order in the pack.
@@ -27,7 +46,7 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
         pack_index = torch.arange(num_items, dtype=torch.int64).expand(weight.shape)
         return pack_index, torch.zeros(weight.shape, dtype=torch.int64)
 
-    order = weight.float().sort(-1, descending=True).indices.cpu()
+    order = _descending_order(weight, stable)
     pack_index = torch.full(weight.shape, -1, dtype=torch.int64)
     rank_in_pack = torch.full(weight.shape, -1, dtype=torch.int64)
     for row in range(num_rows):
@@ -69,7 +88,8 @@ def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor,
 
 
 def rebalance_experts_hierarchical(
-    weight: torch.Tensor, num_physical_experts: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: torch.Tensor, num_physical_experts: int, num_groups: int, num_nodes: int, num_gpus: int,
+    tie_break: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Groups -> nodes, replicas within each node, replicas -> GPUs of the node.
 
@@ -88,8 +108,9 @@ def rebalance_experts_hierarchical(
     physical_per_node = num_physical_experts // num_nodes
 
     # Step 1: groups to nodes. Node-major ("mlog") numbering: node, then arrival rank, then member.
-    group_loads = weight.unflatten(-1, (num_groups, group_size)).sum(-1)
-    group_node, group_rank = balanced_packing(group_loads, num_nodes)
+    stable = tie_break == "stable"
+    group_loads = _group_loads(weight, num_groups, stable)
+    group_node, group_rank = balanced_packing(group_loads, num_nodes, stable)
     log2mlog = torch.empty(num_layers, num_logical, dtype=torch.int64)
     for layer in range(num_layers):
         for expert in range(num_logical):
@@ -109,7 +130,7 @@ def rebalance_experts_hierarchical(
     # Step 3: the node's replicas onto its GPUs; slot = gpu * slots_per_gpu + arrival rank.
     per_replica = mlog_loads / mlog_count
     replica_loads = torch.stack([per_replica[row, phy2mlog[row]] for row in range(per_replica.shape[0])])
-    gpu, rank_on_gpu = balanced_packing(replica_loads, num_gpus // num_nodes)
+    gpu, rank_on_gpu = balanced_packing(replica_loads, num_gpus // num_nodes, stable)
     phy2log = torch.empty(num_layers, num_physical_experts, dtype=torch.int64)
     phyrank = torch.empty(num_layers, num_physical_experts, dtype=torch.int64)
     for layer in range(num_layers):
@@ -128,15 +149,16 @@ def rebalance_experts_hierarchical(
 
 
 def rebalance_experts(
-    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, tie_break: str = "torch"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entry point: ``(phy2log, log2phy, logcnt)``; log2phy is -1 padded to the largest count."""
     num_layers, num_logical = weight.shape
     weight = weight.float().cpu()
     if num_groups % num_nodes == 0:
-        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus)
+        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(
+            weight, num_replicas, num_groups, num_nodes, num_gpus, tie_break)
     else:  # global policy: one group, one node
-        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(weight, num_replicas, 1, 1, num_gpus)
+        phy2log, phyrank, logcnt = rebalance_experts_hierarchical(weight, num_replicas, 1, 1, num_gpus, tie_break)
     max_count = int(logcnt.max())
     log2phy = torch.full((num_layers, num_logical, max_count), -1, dtype=torch.int64)
     for layer in range(num_layers):
