@@ -385,3 +385,54 @@ def test_patch_module_with_deepseek_api():
     finally:
         integration.unpatch(module)
     assert module.rebalance_experts is ref.rebalance_experts and not integration.is_patched(module)
+
+
+# --- torch.library custom op -------------------------------------------------------------------------------
+
+
+def test_custom_op_matches_and_passes_opcheck():
+    weight = torch.tensor(README_WEIGHT, dtype=torch.float32)
+    op = torch.ops.trainfast.rebalance_experts
+    assert_same(op(weight, 16, 4, 2, 8), eplb.rebalance_experts(weight, 16, 4, 2, 8))
+    result = torch.library.opcheck(op.default, (weight, 16, 4, 2, 8))
+    assert all(value == "SUCCESS" for value in result.values()), result
+
+
+def test_custom_op_under_torch_compile():
+    weight = torch.tensor(README_WEIGHT, dtype=torch.float32)
+    compiled = torch.compile(lambda w: torch.ops.trainfast.rebalance_experts(w, 16, 4, 2, 8), fullgraph=True,
+                             backend="aot_eager")
+    assert_same(compiled(weight), eplb.rebalance_experts(weight, 16, 4, 2, 8))
+
+
+# --- CLI -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".csv", ".pt"])
+def test_cli_reads_loads_files(tmp_path, suffix, capsys):
+    from trainfast.cli import main
+
+    loads = np.random.default_rng(0).integers(0, 100, size=(3, 16))
+    path = tmp_path / f"loads{suffix}"
+    if suffix == ".npy":
+        np.save(path, loads)
+    elif suffix == ".csv":
+        np.savetxt(path, loads, delimiter=",")
+    else:
+        torch.save(torch.from_numpy(loads), path)
+    out_path = tmp_path / "placement.pt"
+    assert main(["eplb", str(path), "--gpus", "4", "--nodes", "2", "--groups", "4", "--refine",
+                 "--save", str(out_path)]) == 0
+    assert "max/mean GPU load" in capsys.readouterr().out
+    saved = torch.load(out_path, weights_only=True)
+    assert_same((saved["phy2log"], saved["log2phy"], saved["logcnt"]),
+                eplb.rebalance_experts(torch.from_numpy(loads).float(), 20, 4, 2, 4))
+
+
+def test_cli_bad_arguments_exit_2(tmp_path):
+    from trainfast.cli import main
+
+    path = tmp_path / "loads.npy"
+    np.save(path, np.ones((2, 16)))
+    assert main(["eplb", str(path), "--gpus", "7", "--nodes", "2"]) == 2
+    assert main(["eplb", str(tmp_path / "loads.json")]) == 2

@@ -343,3 +343,37 @@ def _keep_previous_slots(previous_phy2log: Any, phy2log: np.ndarray, phyrank: np
 def count_moved(previous_phy2log: Any, phy2log: Any) -> int:
     """Number of physical slots whose logical expert changes (experts to migrate)."""
     return int((np.asarray(previous_phy2log, dtype=np.int64) != np.asarray(phy2log, dtype=np.int64)).sum())
+
+
+# --- torch.library custom op (works under torch.compile) ---------------------------------------------
+
+def _register_torch_op() -> Any:
+    """Registers ``torch.ops.trainfast.rebalance_experts`` (default mode) with a fake implementation."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:  # torch < 2.4
+        return None
+
+    @custom_op("trainfast::rebalance_experts", mutates_args=(), device_types=None)
+    def rebalance_experts_op(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+                             num_gpus: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        outputs = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+        return tuple(x.clone() for x in outputs)  # the op owns fresh storage
+
+    @rebalance_experts_op.register_fake
+    def _(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+          num_gpus: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_layers, num_logical = weight.shape
+        max_count = torch.library.get_ctx().new_dynamic_size(min=1)  # data-dependent width of log2phy
+        cpu = torch.device("cpu")
+        return (weight.new_empty((num_layers, num_replicas), dtype=torch.int64, device=cpu),
+                weight.new_empty((num_layers, num_logical, max_count), dtype=torch.int64, device=cpu),
+                weight.new_empty((num_layers, num_logical), dtype=torch.int64, device=cpu))
+
+    return rebalance_experts_op
+
+
+try:
+    rebalance_experts_op = _register_torch_op()
+except RuntimeError as error:  # already registered (module reloaded)
+    logger.debug("torch.ops.trainfast.rebalance_experts not re-registered: %s", error)
+    rebalance_experts_op = getattr(getattr(torch.ops, "trainfast", None), "rebalance_experts", None)
