@@ -1,6 +1,8 @@
 #include "eplb/eplb.h"
 
 #include <algorithm>
+#include <bit>
+#include <limits>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -29,73 +31,83 @@ Acc add_load(Acc a, Acc b) {
   }
 }
 
-// Winner tree over n leaves (padded to a power of two): each node holds the better leaf of its
-// subtree, the lower index winning ties, so the root is the first best leaf, like upstream's
-// min()/max(). Updates touch one root path and select with conditional moves (no mispredictions).
+// Winner tree over n leaves (padded to a power of two with keys that never win): each node holds
+// the better leaf of its subtree, the lower index winning ties, so the root is the first best leaf,
+// like upstream's min()/max(). Updates touch one root path and select with conditional moves.
 template <typename Key, bool kMin>
 class Tournament {
  public:
-  void reset(int64_t n) {
+  // Leaves n.. get `padding`, which must never beat a real key (ties go to the real, lower index).
+  void reset(int64_t n, Key padding) {
     size_ = 1;
     while (size_ < n) size_ *= 2;
-    key_.assign(size_, Key{});
-    valid_.assign(size_, 0);
-    std::fill(valid_.begin(), valid_.begin() + n, 1);
+    key_.assign(size_, padding);
     tree_.resize(2 * size_);
   }
   Key& key(int64_t leaf) { return key_[leaf]; }
-  const Key& key(int64_t leaf) const { return key_[leaf]; }
-  void disable(int64_t leaf) { valid_[leaf] = 0; }
   void build() {
     for (int64_t i = 0; i < size_; ++i) tree_[size_ + i] = i;
-    for (int64_t pos = size_ - 1; pos >= 1; --pos) tree_[pos] = pick(tree_[2 * pos], tree_[2 * pos + 1]);
+    for (int64_t pos = size_ - 1; pos >= 1; --pos) {
+      const int64_t a = tree_[2 * pos], b = tree_[2 * pos + 1];
+      tree_[pos] = better(key_[b], key_[a]) ? b : a;
+    }
   }
-  // Replays the matches on leaf's root path, carrying the winner's key in registers: sibling
-  // winners do not depend on this update, so the only serial work per level is one compare.
+  // Replays the matches on leaf's root path, carrying the winner's key: sibling winners do not
+  // depend on this update, so the only serial work per level is one compare.
   void update(int64_t leaf) {
     int64_t winner = leaf;
     Key winner_key = key_[leaf];
-    bool winner_valid = valid_[leaf];
     for (int64_t pos = size_ + leaf; pos > 1; pos >>= 1) {
       const int64_t other = tree_[pos ^ 1];
       const Key other_key = key_[other];
-      const bool other_valid = valid_[other];
       // The left subtree holds the lower indices: the right side wins only when strictly better.
-      const bool other_better = kMin ? other_key < winner_key : winner_key < other_key;
-      const bool winner_better = kMin ? winner_key < other_key : other_key < winner_key;
-      const bool take_other = (pos & 1) ? !(winner_valid & (!other_valid | winner_better))
-                                        : other_valid & (!winner_valid | other_better);
+      const bool take_other = (pos & 1) ? !better(winner_key, other_key) : better(other_key, winner_key);
       winner = take_other ? other : winner;
       winner_key = take_other ? other_key : winner_key;
-      winner_valid = take_other ? other_valid : winner_valid;
       tree_[pos >> 1] = winner;
     }
   }
   int64_t top() const { return size_ == 1 ? 0 : tree_[1]; }
 
  private:
-  // `a` covers lower indices than `b`: b wins only when valid and strictly better (or a invalid).
-  int64_t pick(int64_t a, int64_t b) const {
-    const bool b_better = kMin ? key_[b] < key_[a] : key_[a] < key_[b];
-    const bool take_b = valid_[b] & (!valid_[a] | b_better);
-    return take_b ? b : a;
-  }
+  static bool better(const Key& a, const Key& b) { return kMin ? a < b : b < a; }
 
   int64_t size_ = 1;
   std::vector<Key> key_;
-  std::vector<uint8_t> valid_;
   std::vector<int64_t> tree_;
 };
 
-// The non-full packs keyed by load: upstream's min() over the packs in index order keeps the first
-// of equal loads.
+// Sort key of a pack: (full, load), full packs last. float loads pack into one integer compare.
+template <typename Acc>
+struct PackKey {
+  using Type = std::pair<uint8_t, Acc>;
+  static Type make(Acc load, bool full) { return {static_cast<uint8_t>(full), load}; }
+  static Type padding() { return {2, Acc{}}; }
+};
+
+template <>
+struct PackKey<float> {
+  using Type = uint64_t;
+  static Type make(float load, bool full) {
+    // Order-preserving float bits; +0.0f turns a -0 into +0 so that equal loads get equal keys.
+    const uint32_t bits = std::bit_cast<uint32_t>(load + 0.0f);
+    const uint32_t ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return (static_cast<uint64_t>(full) << 32) | ordered;
+  }
+  static Type padding() { return uint64_t{2} << 32; }
+};
+
+// The non-full packs by load: upstream's min() over the packs in index order keeps the first of
+// equal loads.
 template <typename Acc>
 class PackHeap {
  public:
   void reset(int64_t num_packs, int64_t capacity) {
     capacity_ = capacity;
     count_.assign(num_packs, 0);
-    tree_.reset(num_packs);
+    load_.assign(num_packs, Acc{0});
+    tree_.reset(num_packs, PackKey<Acc>::padding());
+    for (int64_t p = 0; p < num_packs; ++p) tree_.key(p) = PackKey<Acc>::make(Acc{0}, false);
     tree_.build();
   }
 
@@ -103,8 +115,8 @@ class PackHeap {
   std::pair<int64_t, int64_t> add(Acc value) {
     const int64_t pack = tree_.top();
     const int64_t rank = count_[pack]++;
-    tree_.key(pack) = add_load(tree_.key(pack), value);
-    if (count_[pack] == capacity_) tree_.disable(pack);
+    load_[pack] = add_load(load_[pack], value);
+    tree_.key(pack) = PackKey<Acc>::make(load_[pack], count_[pack] == capacity_);
     tree_.update(pack);
     return {pack, rank};
   }
@@ -112,7 +124,8 @@ class PackHeap {
  private:
   int64_t capacity_ = 0;
   std::vector<int64_t> count_;
-  Tournament<Acc, true> tree_;
+  std::vector<Acc> load_;
+  Tournament<typename PackKey<Acc>::Type, true> tree_;
 };
 
 // Experts keyed by load per replica: upstream's `(weight / logcnt).max(-1).indices`, which returns
@@ -124,7 +137,7 @@ class ReplicaHeap {
   void reset(const Value* weight, int64_t num_log) {
     weight_q_.resize(num_log);
     count_.assign(num_log, 1);
-    tree_.reset(num_log);
+    tree_.reset(num_log, -std::numeric_limits<Quotient>::infinity());
     for (int64_t e = 0; e < num_log; ++e) {
       weight_q_[e] = static_cast<Quotient>(weight[e]);
       tree_.key(e) = weight_q_[e];  // x / 1 == x
