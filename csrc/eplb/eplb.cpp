@@ -31,6 +31,23 @@ Acc add_load(Acc a, Acc b) {
   }
 }
 
+// `take ? if_true : if_false` without a branch: the choices below are data-dependent coin flips,
+// which the compiler would otherwise turn into mispredicted jumps.
+template <typename T>
+T select(bool take, T if_true, T if_false) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    const U mask = U{0} - static_cast<U>(take);
+    return static_cast<T>((static_cast<U>(if_true) & mask) | (static_cast<U>(if_false) & ~mask));
+  } else if constexpr (std::is_same_v<T, float>) {
+    return std::bit_cast<float>(select(take, std::bit_cast<uint32_t>(if_true), std::bit_cast<uint32_t>(if_false)));
+  } else if constexpr (std::is_same_v<T, double>) {
+    return std::bit_cast<double>(select(take, std::bit_cast<uint64_t>(if_true), std::bit_cast<uint64_t>(if_false)));
+  } else {
+    return take ? if_true : if_false;
+  }
+}
+
 // Winner tree over n leaves (padded to a power of two with keys that never win): each node holds
 // the better leaf of its subtree, the lower index winning ties, so the root is the first best leaf,
 // like upstream's min()/max(). Updates touch one root path and select with conditional moves.
@@ -49,7 +66,7 @@ class Tournament {
     for (int64_t i = 0; i < size_; ++i) tree_[size_ + i] = i;
     for (int64_t pos = size_ - 1; pos >= 1; --pos) {
       const int64_t a = tree_[2 * pos], b = tree_[2 * pos + 1];
-      tree_[pos] = better(key_[b], key_[a]) ? b : a;
+      tree_[pos] = select(better(key_[b], key_[a]), b, a);
     }
   }
   // Replays the matches on leaf's root path, carrying the winner's key: sibling winners do not
@@ -61,9 +78,12 @@ class Tournament {
       const int64_t other = tree_[pos ^ 1];
       const Key other_key = key_[other];
       // The left subtree holds the lower indices: the right side wins only when strictly better.
-      const bool take_other = (pos & 1) ? !better(winner_key, other_key) : better(other_key, winner_key);
-      winner = take_other ? other : winner;
-      winner_key = take_other ? other_key : winner_key;
+      const unsigned other_is_left = static_cast<unsigned>(pos & 1);
+      const unsigned other_better = better(other_key, winner_key);
+      const unsigned winner_better = better(winner_key, other_key);
+      const bool take_other = ((other_is_left & (winner_better ^ 1u)) | ((other_is_left ^ 1u) & other_better)) != 0;
+      winner = select(take_other, other, winner);
+      winner_key = select(take_other, other_key, winner_key);
       tree_[pos >> 1] = winner;
     }
   }
@@ -381,11 +401,12 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
       }
       int64_t* log2mlog = out.log2mlog.data() + layer * E;
       int64_t* mlog2log = out.mlog2log.data() + layer * E;
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t g = e / group_size;
-        const int64_t mlog = (group_node[g] * groups_per_node + group_rank[g]) * group_size + e % group_size;
-        log2mlog[e] = mlog;
-        mlog2log[mlog] = e;
+      for (int64_t g = 0, e = 0; g < G; ++g) {
+        const int64_t first = (group_node[g] * groups_per_node + group_rank[g]) * group_size;
+        for (int64_t member = 0; member < group_size; ++member, ++e) {
+          log2mlog[e] = first + member;
+          mlog2log[first + member] = e;
+        }
       }
       for (int64_t node = 0; node < N; ++node) {
         const int64_t row = layer * N + node;
