@@ -1,6 +1,7 @@
 #include "eplb/eplb.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <limits>
 #include <cmath>
@@ -188,14 +189,53 @@ using QuotientOf = std::conditional_t<std::is_same_v<Value, double>, double, flo
 template <typename Value>
 using AccOf = std::conditional_t<std::is_integral_v<Value>, int64_t, Value>;
 
-// Descending by value, ties by lowest index (the native "stable" order).
-template <typename Value>
-void descending_order(const Value* values, int64_t n, int64_t* order) {
-  std::iota(order, order + n, int64_t{0});
-  std::sort(order, order + n, [values](int64_t a, int64_t b) {
-    return values[a] > values[b] || (values[a] == values[b] && a < b);
-  });
+// Order-preserving bits of a float (-0 counts as +0): a < b as floats iff key(a) < key(b).
+uint32_t ordered_bits(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value + 0.0f);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
+
+// Descending by value, ties by lowest index (the native "stable" order): a stable LSD radix sort of
+// the inverted keys, starting from index order. Byte passes that cannot reorder are skipped.
+class DescendingSorter {
+ public:
+  void sort(const float* values, int64_t n, int64_t* order) {
+    keys_.resize(n);
+    next_keys_.resize(n);
+    next_order_.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      keys_[i] = ~ordered_bits(values[i]);
+      order[i] = i;
+    }
+    uint32_t* keys = keys_.data();
+    uint32_t* next_keys = next_keys_.data();
+    int64_t* current = order;
+    int64_t* next = next_order_.data();
+    for (int shift = 0; shift < 32; shift += 8) {
+      std::array<int64_t, 256> start{};
+      for (int64_t i = 0; i < n; ++i) ++start[(keys[i] >> shift) & 0xFF];
+      if (std::find(start.begin(), start.end(), n) != start.end()) continue;  // one bucket: no-op
+      int64_t sum = 0;
+      for (auto& count : start) {
+        const int64_t c = count;
+        count = sum;
+        sum += c;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = start[(keys[i] >> shift) & 0xFF]++;
+        next_keys[at] = keys[i];
+        next[at] = current[i];
+      }
+      std::swap(keys, next_keys);
+      std::swap(current, next);
+    }
+    if (current != order) std::copy(current, current + n, order);
+  }
+
+ private:
+  std::vector<uint32_t> keys_, next_keys_;
+  std::vector<int64_t> next_order_;
+};
 
 template <typename Value>
 void pack_row(const Value* weight, const int64_t* order, int64_t n, int64_t num_packs,
@@ -375,6 +415,7 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
     std::vector<float> loads(G), mlog_loads(epn);
     std::vector<int64_t> order(G), group_node(G), group_rank(G);
     PackHeap<float> pack_heap;
+    DescendingSorter sorter;
     ReplicaHeap<float> replica_heap;
     for (int64_t layer = begin; layer < end; ++layer) {
       const float* w = weight.data() + layer * E;
@@ -390,7 +431,7 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
             for (int64_t m = 0; m < group_size; ++m) sum += w[g * group_size + m];
             loads[g] = sum;
           }
-          descending_order(loads.data(), G, order.data());
+          sorter.sort(loads.data(), G, order.data());
           group_load = loads.data();
           group_desc = order.data();
         } else {
@@ -457,6 +498,7 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
     std::vector<int64_t> gpu(ppn), rank(ppn), order(ppn);
     std::vector<uint8_t> holds;
     PackHeap<float> heap;
+    DescendingSorter sorter;
     for (int64_t layer = begin; layer < end; ++layer) {
       for (int64_t node = 0; node < N; ++node) {
         const int64_t row = layer * N + node;
@@ -468,7 +510,7 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
         } else {
           const int64_t* desc = nullptr;
           if (native_order) {
-            descending_order(replica_load, ppn, order.data());
+            sorter.sort(replica_load, ppn, order.data());
             desc = order.data();
           } else {
             desc = replica_order.data() + row * ppn;
