@@ -251,7 +251,7 @@ void pack_row(const Value* weight, const int64_t* order, int64_t n, int64_t num_
 
 // Greedy packing that skips packs already holding a replica of the same expert while another
 // non-full pack does not.
-void pack_row_distinct(const float* weight, const int64_t* expert_of, int64_t num_experts,
+void pack_row_distinct(const float* weight, const int32_t* expert_of, int64_t num_experts,
                        const int64_t* order, int64_t n, int64_t num_packs, int64_t* pack_index,
                        int64_t* rank_in_pack, std::vector<uint8_t>& holds) {
   const int64_t capacity = n / num_packs;
@@ -276,7 +276,7 @@ void pack_row_distinct(const float* weight, const int64_t* expert_of, int64_t nu
 
 // Swaps replicas between the heaviest GPU and another while that lowers the pair's maximum.
 // Swapped items exchange (gpu, rank), so every other slot keeps its place.
-void refine_row(const float* load_of, const int64_t* expert_of, int64_t n, int64_t num_packs,
+void refine_row(const float* load_of, const int32_t* expert_of, int64_t n, int64_t num_packs,
                 int64_t* pack_index, int64_t* rank_in_pack, bool avoid_duplicates) {
   const int64_t per_pack = n / num_packs;
   std::vector<int64_t> members(n);
@@ -349,6 +349,7 @@ void check_shape(const Shape& s) {
   TF_CHECK_ARG(checked_mul(s.num_layers, s.num_physical).has_value() &&
                    checked_mul(s.num_layers, s.num_logical).has_value(),
                "weight", s.num_layers, "is too large");
+  TF_CHECK_ARG(s.num_physical < (int64_t{1} << 31), "num_replicas", s.num_physical, "must be < 2^31");
 }
 
 void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_logical) {
@@ -440,30 +441,30 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
         }
         pack_row(group_load, group_desc, G, N, group_node.data(), group_rank.data(), pack_heap);
       }
-      int64_t* log2mlog = out.log2mlog.data() + layer * E;
-      int64_t* mlog2log = out.mlog2log.data() + layer * E;
+      int32_t* log2mlog = out.log2mlog.data() + layer * E;
+      int32_t* mlog2log = out.mlog2log.data() + layer * E;
       for (int64_t g = 0, e = 0; g < G; ++g) {
         const int64_t first = (group_node[g] * groups_per_node + group_rank[g]) * group_size;
         for (int64_t member = 0; member < group_size; ++member, ++e) {
-          log2mlog[e] = first + member;
-          mlog2log[first + member] = e;
+          log2mlog[e] = static_cast<int32_t>(first + member);
+          mlog2log[first + member] = static_cast<int32_t>(e);
         }
       }
       for (int64_t node = 0; node < N; ++node) {
         const int64_t row = layer * N + node;
         for (int64_t m = 0; m < epn; ++m) mlog_loads[m] = w[mlog2log[node * epn + m]];
-        int64_t* phy2mlog = out.phy2mlog.data() + row * ppn;
-        int64_t* phy_rank = out.phy_rank.data() + row * ppn;
-        int64_t* count = out.mlog_count.data() + row * epn;
+        int32_t* phy2mlog = out.phy2mlog.data() + row * ppn;
+        int32_t* phy_rank = out.phy_rank.data() + row * ppn;
+        int32_t* count = out.mlog_count.data() + row * epn;
         for (int64_t m = 0; m < epn; ++m) {
-          phy2mlog[m] = m;
+          phy2mlog[m] = static_cast<int32_t>(m);
           phy_rank[m] = 0;
         }
         replica_heap.reset(mlog_loads.data(), epn);
         for (int64_t slot = epn; slot < ppn; ++slot) {
           const auto [expert, rank] = replica_heap.add();
-          phy2mlog[slot] = expert;
-          phy_rank[slot] = rank;
+          phy2mlog[slot] = static_cast<int32_t>(expert);
+          phy_rank[slot] = static_cast<int32_t>(rank);
         }
         std::copy(replica_heap.counts().begin(), replica_heap.counts().end(), count);
         float* replica_load = out.replica_loads.data() + row * ppn;
@@ -503,7 +504,7 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
       for (int64_t node = 0; node < N; ++node) {
         const int64_t row = layer * N + node;
         const float* replica_load = rep.replica_loads.data() + row * ppn;
-        const int64_t* phy2mlog = rep.phy2mlog.data() + row * ppn;
+        const int32_t* phy2mlog = rep.phy2mlog.data() + row * ppn;
         if (spg == 1) {
           std::iota(gpu.begin(), gpu.end(), int64_t{0});
           std::fill(rank.begin(), rank.end(), 0);
@@ -525,8 +526,8 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
                        options.avoid_gpu_duplicates);
           }
         }
-        const int64_t* mlog2log = rep.mlog2log.data() + layer * E;
-        const int64_t* phy_rank = rep.phy_rank.data() + row * ppn;
+        const int32_t* mlog2log = rep.mlog2log.data() + layer * E;
+        const int32_t* phy_rank = rep.phy_rank.data() + row * ppn;
         int64_t* phy2log = out.phy2log.data() + layer * P;
         int64_t* out_rank = out.phy_rank.data() + layer * P;
         for (int64_t p = 0; p < ppn; ++p) {
@@ -535,8 +536,8 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
           out_rank[slot] = phy_rank[p];
         }
       }
-      const int64_t* log2mlog = rep.log2mlog.data() + layer * E;
-      const int64_t* counts = rep.mlog_count.data() + layer * E;  // rows of this layer's nodes
+      const int32_t* log2mlog = rep.log2mlog.data() + layer * E;
+      const int32_t* counts = rep.mlog_count.data() + layer * E;  // rows of this layer's nodes
       int64_t* logcnt = out.logcnt.data() + layer * E;
       for (int64_t e = 0; e < E; ++e) logcnt[e] = counts[log2mlog[e]];
     }

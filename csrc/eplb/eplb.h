@@ -41,11 +41,12 @@ void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_
 // "mlog" numbers logical experts node-major (node, arrival rank of the group, member).
 struct Replication {
   Shape shape;
-  std::vector<int64_t> log2mlog;      // [L, E]
-  std::vector<int64_t> mlog2log;      // [L, E]
-  std::vector<int64_t> phy2mlog;      // [L * N, P / N] node-local logical id of each replica
-  std::vector<int64_t> phy_rank;      // [L * N, P / N] replica rank
-  std::vector<int64_t> mlog_count;    // [L * N, E / N] replicas per node-local expert
+  // 32-bit internally (check_shape bounds the sizes): half the memory traffic of int64.
+  std::vector<int32_t> log2mlog;      // [L, E]
+  std::vector<int32_t> mlog2log;      // [L, E]
+  std::vector<int32_t> phy2mlog;      // [L * N, P / N] node-local logical id of each replica
+  std::vector<int32_t> phy_rank;      // [L * N, P / N] replica rank
+  std::vector<int32_t> mlog_count;    // [L * N, E / N] replicas per node-local expert
   std::vector<float> replica_loads;   // [L * N, P / N] float32 load / count of each replica
 };
 
