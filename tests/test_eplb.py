@@ -268,6 +268,21 @@ def test_avoid_gpu_duplicates():
     assert torch.equal(base[2], avoided[2])
 
 
+@pytest.mark.parametrize("refine", [False, True])
+def test_avoid_gpu_duplicates_random_feasible_cases(refine):
+    rng = np.random.default_rng(21)
+    checked = 0
+    for _ in range(300):
+        weight, num_replicas, num_groups, num_nodes, num_gpus = random_problem(rng, max_layers=3)
+        nodes = num_nodes if num_groups % num_nodes == 0 else 1
+        placed = eplb.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus,
+                                        avoid_gpu_duplicates=True, refine=refine)
+        if int(placed[2].max()) <= num_gpus // nodes:  # feasible: replicas can sit on distinct GPUs
+            assert duplicates_per_gpu(placed[0], num_gpus) == 0
+            checked += 1
+    assert checked > 100
+
+
 def test_previous_phy2log_keeps_slots():
     rng = np.random.default_rng(13)
     weight = torch.from_numpy(rng.lognormal(0, 1, size=(4, 64)).astype(np.float32))

@@ -250,27 +250,51 @@ void pack_row(const Value* weight, const int64_t* order, int64_t n, int64_t num_
 }
 
 // Greedy packing that skips packs already holding a replica of the same expert while another
-// non-full pack does not.
+// non-full pack does not; then swaps remaining duplicates away (each swap removes one duplicate
+// and creates none), choosing the partner whose load differs least.
 void pack_row_distinct(const float* weight, const int32_t* expert_of, int64_t num_experts,
                        const int64_t* order, int64_t n, int64_t num_packs, int64_t* pack_index,
-                       int64_t* rank_in_pack, std::vector<uint8_t>& holds) {
+                       int64_t* rank_in_pack, std::vector<int32_t>& held) {
   const int64_t capacity = n / num_packs;
   std::vector<float> load(num_packs, 0.0f);
   std::vector<int64_t> count(num_packs, 0);
-  holds.assign(num_experts * num_packs, 0);
+  held.assign(num_experts * num_packs, 0);  // replicas of expert e on pack p
   for (int64_t k = 0; k < n; ++k) {
     const int64_t item = order[k], expert = expert_of[item];
     int64_t best = -1, best_any = -1;
     for (int64_t p = 0; p < num_packs; ++p) {
       if (count[p] == capacity) continue;
       if (best_any < 0 || load[p] < load[best_any]) best_any = p;
-      if (!holds[expert * num_packs + p] && (best < 0 || load[p] < load[best])) best = p;
+      if (held[expert * num_packs + p] == 0 && (best < 0 || load[p] < load[best])) best = p;
     }
     const int64_t pack = best >= 0 ? best : best_any;
     pack_index[item] = pack;
     rank_in_pack[item] = count[pack]++;
     load[pack] += weight[item];
-    holds[expert * num_packs + pack] = 1;
+    ++held[expert * num_packs + pack];
+  }
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t g = pack_index[a], e = expert_of[a];
+    if (held[e * num_packs + g] < 2) continue;
+    int64_t partner = -1;
+    float best_cost = std::numeric_limits<float>::infinity();
+    for (int64_t b = 0; b < n; ++b) {
+      const int64_t h = pack_index[b], f = expert_of[b];
+      if (h == g || f == e || held[e * num_packs + h] > 0 || held[f * num_packs + g] > 0) continue;
+      const float cost = std::abs(weight[a] - weight[b]);
+      if (partner < 0 || cost < best_cost) {
+        partner = b;
+        best_cost = cost;
+      }
+    }
+    if (partner < 0) continue;  // no swap removes this duplicate
+    const int64_t h = pack_index[partner], f = expert_of[partner];
+    --held[e * num_packs + g];
+    ++held[e * num_packs + h];
+    --held[f * num_packs + h];
+    ++held[f * num_packs + g];
+    std::swap(pack_index[a], pack_index[partner]);
+    std::swap(rank_in_pack[a], rank_in_pack[partner]);
   }
 }
 
@@ -497,7 +521,7 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
 
   auto body = [&](int64_t begin, int64_t end) {
     std::vector<int64_t> gpu(ppn), rank(ppn), order(ppn);
-    std::vector<uint8_t> holds;
+    std::vector<int32_t> holds;
     PackHeap<float> heap;
     DescendingSorter sorter;
     for (int64_t layer = begin; layer < end; ++layer) {
