@@ -295,6 +295,12 @@ def test_previous_phy2log_keeps_slots():
     kept = eplb.rebalance_experts(weight, 96, 8, 2, 16, previous_phy2log=previous)
     assert torch.equal(kept[0], previous) and eplb.count_moved(previous, kept[0]) == 0
     check_invariants(weight, kept, 96, 8, 2, 16, True)
+    # Previous placement = the GPUs of each node in another order (8 GPUs per node): nothing moves.
+    gpu_order = torch.tensor([1, 0, 3, 2, 7, 6, 5, 4, 9, 8, 15, 10, 11, 12, 13, 14])
+    permuted = phy2log.reshape(4, 16, 6)[:, gpu_order].reshape(4, 96)
+    relabeled = eplb.rebalance_experts(weight, 96, 8, 2, 16, previous_phy2log=permuted)
+    assert torch.equal(relabeled[0], permuted)
+    check_invariants(weight, relabeled, 96, 8, 2, 16, True)
     # Drifted loads: fewer moves than ignoring the previous placement.
     drifted = weight * torch.from_numpy(rng.uniform(0.8, 1.25, size=weight.shape).astype(np.float32))
     fresh = eplb.rebalance_experts(drifted, 96, 8, 2, 16)

@@ -192,7 +192,7 @@ def rebalance_experts(
         avoid_gpu_duplicates=avoid_gpu_duplicates, num_threads=num_threads)
     if previous_phy2log is not None:
         phy2log, log2phy = _keep_previous_slots(previous_phy2log, phy2log, phyrank, log2phy.shape,
-                                                num_replicas // num_gpus)
+                                                num_replicas // num_gpus, num_gpus // nodes)
     return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
 
 
@@ -300,9 +300,36 @@ def balancedness(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> float
     return float(ratio.mean())
 
 
+def _match_gpus(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, gpus_per_node: int) -> np.ndarray:
+    """For one layer: a permutation of the GPUs inside each node (new GPU -> GPU index it takes)
+    that greedily maximises the experts already present there. Balance is unchanged: GPUs of one
+    node are interchangeable."""
+    num_gpus = new_gpus.shape[0]
+    new_has = np.zeros((num_gpus, num_logical + 1), dtype=np.float64)
+    old_has = np.zeros((num_gpus, num_logical + 1), dtype=np.float64)
+    rows = np.repeat(np.arange(num_gpus), new_gpus.shape[1])
+    new_has[rows, new_gpus.ravel()] = 1.0
+    old_has[rows, np.clip(old_gpus.ravel(), 0, num_logical)] = 1.0
+    old_has[:, num_logical] = 0.0  # ids outside [0, num_logical) match nothing
+    overlap = new_has @ old_has.T
+    node = np.arange(num_gpus) // gpus_per_node
+    overlap[node[:, None] != node[None, :]] = -1.0  # never across nodes
+    # Keep GPUs in place unless moving them gains experts: a tiny bonus on the diagonal.
+    overlap[np.arange(num_gpus), np.arange(num_gpus)] += 0.5
+    target = np.empty(num_gpus, dtype=np.int64)
+    for _ in range(num_gpus):
+        new_gpu, old_gpu = np.unravel_index(int(np.argmax(overlap)), overlap.shape)
+        target[new_gpu] = old_gpu
+        overlap[new_gpu, :] = -2.0
+        overlap[:, old_gpu] = -2.0
+    return target
+
+
 def _keep_previous_slots(previous_phy2log: Any, phy2log: np.ndarray, phyrank: np.ndarray,
-                         log2phy_shape: tuple[int, ...], slots_per_gpu: int) -> tuple[np.ndarray, np.ndarray]:
-    """Reorders each GPU's slots so experts already on that GPU keep their previous slot."""
+                         log2phy_shape: tuple[int, ...], slots_per_gpu: int,
+                         gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Minimal migration: permutes the GPUs inside each node, then each GPU's slots, so that as many
+    experts as possible stay in the slot they had in ``previous_phy2log``."""
     previous = _as_tensor(previous_phy2log)
     if previous.dtype.is_floating_point or previous.dtype.is_complex or previous.dtype == torch.bool:
         raise TypeError(f"previous_phy2log must have an integer dtype (got {previous.dtype})")
@@ -310,16 +337,21 @@ def _keep_previous_slots(previous_phy2log: Any, phy2log: np.ndarray, phyrank: np
     if previous.shape != phy2log.shape:
         raise ValueError(f"previous_phy2log must have shape {tuple(phy2log.shape)} (got {tuple(previous.shape)})")
     num_layers, num_slots = phy2log.shape
+    num_gpus = num_slots // slots_per_gpu
     new_phy2log = np.empty_like(phy2log)
     new_rank = np.empty_like(phyrank)
     for layer in range(num_layers):
-        for start in range(0, num_slots, slots_per_gpu):
-            entries = list(zip(phy2log[layer, start:start + slots_per_gpu].tolist(),
-                               phyrank[layer, start:start + slots_per_gpu].tolist()))
-            old = previous[layer, start:start + slots_per_gpu].tolist()
+        new_gpus = phy2log[layer].reshape(num_gpus, slots_per_gpu)
+        rank_gpus = phyrank[layer].reshape(num_gpus, slots_per_gpu)
+        old_gpus = previous[layer].reshape(num_gpus, slots_per_gpu)
+        target = _match_gpus(new_gpus, old_gpus, log2phy_shape[1], gpus_per_node)
+        for new_gpu in range(num_gpus):
+            gpu = int(target[new_gpu])
+            entries = list(zip(new_gpus[new_gpu].tolist(), rank_gpus[new_gpu].tolist()))
+            old = old_gpus[gpu].tolist()
             placed: list[tuple[int, int] | None] = [None] * slots_per_gpu
             remaining = []
-            for entry in entries:  # first pass: an expert keeps a slot it held before
+            for entry in entries:  # an expert keeps a slot it held before on this GPU
                 for k, old_expert in enumerate(old):
                     if placed[k] is None and old_expert == entry[0]:
                         placed[k] = entry
@@ -329,6 +361,7 @@ def _keep_previous_slots(previous_phy2log: Any, phy2log: np.ndarray, phyrank: np
             free = (k for k in range(slots_per_gpu) if placed[k] is None)
             for entry, k in zip(remaining, free):
                 placed[k] = entry
+            start = gpu * slots_per_gpu
             for k, (expert, rank) in enumerate(placed):
                 new_phy2log[layer, start + k] = expert
                 new_rank[layer, start + k] = rank
