@@ -366,6 +366,15 @@ def test_bad_types():
         eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, previous_phy2log=torch.zeros(2, 15, dtype=torch.int64))
 
 
+def test_helpers_reject_nan():
+    weight = torch.ones(2, 6)
+    weight[1, 4] = float("nan")
+    with pytest.raises(ValueError, match="layer 1, expert 4"):
+        eplb.balanced_packing(weight, 2)
+    with pytest.raises(ValueError, match="layer 1, expert 4"):
+        eplb.replicate_experts(weight, 8)
+
+
 def test_helper_bad_arguments():
     with pytest.raises(AssertionError, match="num_packs"):
         eplb.balanced_packing(torch.ones(2, 6), 4)

@@ -81,10 +81,13 @@ def _as_tensor(weight: Any) -> torch.Tensor:
 
 def _weight_2d(weight: Any) -> torch.Tensor:
     tensor = _as_tensor(weight)
-    if tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise TypeError(f"weight must have a real numeric dtype (got {tensor.dtype})")
-    _require(tensor.dim() == 2, f"weight must be 2-D [num_layers, num_logical_experts] (got shape {tuple(tensor.shape)})")
-    _require(tensor.shape[0] > 0 and tensor.shape[1] > 0, f"weight must not be empty (got shape {tuple(tensor.shape)})")
+    if tensor.dtype.is_complex:
+        raise TypeError(f"weight must have a real dtype (got {tensor.dtype})")
+    if tensor.dim() != 2:
+        raise UpstreamAssertionError(f"weight must be 2-D [num_layers, num_logical_experts] (got shape "
+                                     f"{tuple(tensor.shape)})")
+    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+        raise UpstreamAssertionError(f"weight must not be empty (got shape {tuple(tensor.shape)})")
     return tensor
 
 
@@ -95,18 +98,22 @@ def _float32_cpu(weight: torch.Tensor) -> torch.Tensor:
 
 def _check_hierarchical(num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
                         physical_name: str) -> None:
-    _require(num_logical % num_groups == 0,
-             f"num_groups must divide the number of logical experts (got num_groups={num_groups}, "
-             f"{num_logical} experts)")
-    _require(num_groups % num_nodes == 0, f"num_nodes must divide num_groups (got num_nodes={num_nodes}, "
-                                          f"num_groups={num_groups})")
-    _require(num_gpus % num_nodes == 0,
-             f"num_gpus must be a multiple of num_nodes (got num_gpus={num_gpus}, num_nodes={num_nodes})")
-    _require(num_physical % num_gpus == 0,
-             f"{physical_name} must be a multiple of num_gpus (got {physical_name}={num_physical}, num_gpus={num_gpus})")
-    _require(num_physical >= num_logical,
-             f"{physical_name} must be >= the number of logical experts (got {physical_name}={num_physical}, "
-             f"{num_logical} experts)")
+    """Upstream's asserts of the hierarchical policy (messages built only on failure)."""
+    if num_logical % num_groups:
+        raise UpstreamAssertionError(f"num_groups must divide the number of logical experts (got "
+                                     f"num_groups={num_groups}, {num_logical} experts)")
+    if num_groups % num_nodes:
+        raise UpstreamAssertionError(f"num_nodes must divide num_groups (got num_nodes={num_nodes}, "
+                                     f"num_groups={num_groups})")
+    if num_gpus % num_nodes:
+        raise UpstreamAssertionError(f"num_gpus must be a multiple of num_nodes (got num_gpus={num_gpus}, "
+                                     f"num_nodes={num_nodes})")
+    if num_physical % num_gpus:
+        raise UpstreamAssertionError(f"{physical_name} must be a multiple of num_gpus (got "
+                                     f"{physical_name}={num_physical}, num_gpus={num_gpus})")
+    if num_physical < num_logical:
+        raise UpstreamAssertionError(f"{physical_name} must be >= the number of logical experts (got "
+                                     f"{physical_name}={num_physical}, {num_logical} experts)")
 
 
 def _descending_order(values: torch.Tensor) -> np.ndarray:
@@ -237,6 +244,9 @@ def _helper_weight(weight: Any) -> tuple[torch.Tensor, np.ndarray]:
         native = tensor.cpu().to(torch.int64).contiguous()  # same result unless upstream's narrow sums overflow
     else:
         raise TypeError(f"weight must be float32, float64 or an integer dtype (got {tensor.dtype})")
+    if native.is_floating_point() and bool(torch.isnan(native).any()):
+        layer, expert = (int(i) for i in torch.nonzero(torch.isnan(native))[0])
+        raise ValueError(f"weight[{layer}, {expert}] is NaN (layer {layer}, expert {expert})")
     return tensor, native.numpy()
 
 
