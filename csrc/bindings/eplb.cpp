@@ -9,6 +9,14 @@
 namespace trainfast::bindings {
 namespace {
 
+// Moves a native buffer into a NumPy array that owns it (no copy).
+template <typename T>
+py::array_t<T> buffer_to_numpy(eplb::Buffer<T>&& values, std::vector<py::ssize_t> shape) {
+  auto* owned = new eplb::Buffer<T>(std::move(values));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<eplb::Buffer<T>*>(p); });
+  return py::array_t<T>(shape, owned->data(), free_when_done);
+}
+
 template <typename T>
 std::span<const T> flat(const CArray<T>& array) {
   return {array.data(), static_cast<size_t>(array.size())};
@@ -50,10 +58,11 @@ py::tuple place(const std::shared_ptr<eplb::Replication>& replication, const CAr
     placement = eplb::place(*replication, order_span, options, num_threads, &interrupt);
   }
   const auto& s = replication->shape;
-  return py::make_tuple(to_numpy(std::move(placement.phy2log), {s.num_layers, s.num_physical}),
-                        to_numpy(std::move(placement.log2phy), {s.num_layers, s.num_logical, placement.max_count}),
-                        to_numpy(std::move(placement.logcnt), {s.num_layers, s.num_logical}),
-                        to_numpy(std::move(placement.phy_rank), {s.num_layers, s.num_physical}));
+  return py::make_tuple(
+      buffer_to_numpy(std::move(placement.phy2log), {s.num_layers, s.num_physical}),
+      buffer_to_numpy(std::move(placement.log2phy), {s.num_layers, s.num_logical, placement.max_count}),
+      buffer_to_numpy(std::move(placement.logcnt), {s.num_layers, s.num_logical}),
+      buffer_to_numpy(std::move(placement.phy_rank), {s.num_layers, s.num_physical}));
 }
 
 template <typename T>

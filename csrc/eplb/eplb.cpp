@@ -518,6 +518,11 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
   out.phy2log.resize(L * P);
   out.phy_rank.resize(L * P);
   out.logcnt.resize(L * E);
+  // log2phy's width is known before placing (counts come from stage 1), so each layer fills its
+  // rows while that layer's slots are still in cache.
+  out.max_count = *std::max_element(rep.mlog_count.begin(), rep.mlog_count.end());
+  const int64_t width = out.max_count;
+  out.log2phy.resize(L * E * width);
 
   auto body = [&](int64_t begin, int64_t end) {
     std::vector<int64_t> gpu(ppn), rank(ppn), order(ppn);
@@ -564,20 +569,16 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
       const int32_t* counts = rep.mlog_count.data() + layer * E;  // rows of this layer's nodes
       int64_t* logcnt = out.logcnt.data() + layer * E;
       for (int64_t e = 0; e < E; ++e) logcnt[e] = counts[log2mlog[e]];
+      int64_t* log2phy = out.log2phy.data() + layer * E * width;
+      std::fill(log2phy, log2phy + E * width, int64_t{-1});
+      const int64_t* phy2log = out.phy2log.data() + layer * P;
+      const int64_t* phy_rank = out.phy_rank.data() + layer * P;
+      for (int64_t slot = 0; slot < P; ++slot) log2phy[phy2log[slot] * width + phy_rank[slot]] = slot;
     }
   };
   const int threads = effective_threads(num_threads, L * P * (options.refine ? 8 : 1));
   parallel_for(L, std::max<int64_t>(1, (L + 4 * threads - 1) / (4 * threads)), threads, body, interrupt);
 
-  out.max_count = *std::max_element(out.logcnt.begin(), out.logcnt.end());
-  const int64_t width = out.max_count;
-  out.log2phy.assign(L * E * width, -1);
-  for (int64_t layer = 0; layer < L; ++layer) {
-    for (int64_t slot = 0; slot < P; ++slot) {
-      const int64_t expert = out.phy2log[layer * P + slot];
-      out.log2phy[(layer * E + expert) * width + out.phy_rank[layer * P + slot]] = slot;
-    }
-  }
   return out;
 }
 

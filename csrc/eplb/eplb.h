@@ -7,12 +7,38 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "common/parallel.h"
 
 namespace trainfast::eplb {
+
+// std::allocator that leaves ints and floats uninitialised on resize: every element of the buffers
+// below is written before it is read, and zeroing them first doubled the memory traffic.
+template <typename T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <typename U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+template <typename T>
+using Buffer = std::vector<T, UninitializedAllocator<T>>;
 
 // A hierarchical problem; the global policy is num_groups = num_nodes = 1.
 struct Shape {
@@ -42,12 +68,12 @@ void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_
 struct Replication {
   Shape shape;
   // 32-bit internally (check_shape bounds the sizes): half the memory traffic of int64.
-  std::vector<int32_t> log2mlog;      // [L, E]
-  std::vector<int32_t> mlog2log;      // [L, E]
-  std::vector<int32_t> phy2mlog;      // [L * N, P / N] node-local logical id of each replica
-  std::vector<int32_t> phy_rank;      // [L * N, P / N] replica rank
-  std::vector<int32_t> mlog_count;    // [L * N, E / N] replicas per node-local expert
-  std::vector<float> replica_loads;   // [L * N, P / N] float32 load / count of each replica
+  Buffer<int32_t> log2mlog;          // [L, E]
+  Buffer<int32_t> mlog2log;          // [L, E]
+  Buffer<int32_t> phy2mlog;          // [L * N, P / N] node-local logical id of each replica
+  Buffer<int32_t> phy_rank;          // [L * N, P / N] replica rank
+  Buffer<int32_t> mlog_count;        // [L * N, E / N] replicas per node-local expert
+  Buffer<float> replica_loads;       // [L * N, P / N] float32 load / count of each replica
 };
 
 // weight [L, E] float32. group_loads [L, G] and group_order [L, G] (each row a descending order of
@@ -63,10 +89,10 @@ struct PlaceOptions {
 };
 
 struct Placement {
-  std::vector<int64_t> phy2log;   // [L, P]
-  std::vector<int64_t> phy_rank;  // [L, P]
-  std::vector<int64_t> logcnt;    // [L, E]
-  std::vector<int64_t> log2phy;   // [L, E, max_count], -1 padded
+  Buffer<int64_t> phy2log;   // [L, P]
+  Buffer<int64_t> phy_rank;  // [L, P]
+  Buffer<int64_t> logcnt;    // [L, E]
+  Buffer<int64_t> log2phy;   // [L, E, max_count], -1 padded
   int64_t max_count = 0;
 };
 
