@@ -377,12 +377,13 @@ void check_shape(const Shape& s) {
 }
 
 void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_logical) {
+  TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == num_layers * num_logical, "weight", weight.size(),
+               "must hold num_layers * num_logical_experts loads");
   for (size_t i = 0; i < weight.size(); ++i) {
     const float value = weight[i];
     if (!(value >= 0.0f) || std::isinf(value)) {
       const int64_t layer = static_cast<int64_t>(i) / num_logical;
       const int64_t expert = static_cast<int64_t>(i) % num_logical;
-      (void)num_layers;
       throw std::invalid_argument("weight[" + std::to_string(layer) + ", " + std::to_string(expert) +
                                   "] (layer " + std::to_string(layer) + ", expert " +
                                   std::to_string(expert) +
