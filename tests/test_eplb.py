@@ -466,3 +466,17 @@ def test_cli_bad_arguments_exit_2(tmp_path):
     np.save(path, np.ones((2, 16)))
     assert main(["eplb", str(path), "--gpus", "7", "--nodes", "2"]) == 2
     assert main(["eplb", str(tmp_path / "loads.json")]) == 2
+
+
+def test_cli_plot(tmp_path):
+    from trainfast.cli import main
+
+    path, png = tmp_path / "loads.npy", tmp_path / "loads.png"
+    np.save(path, np.random.default_rng(1).integers(0, 100, size=(2, 16)))
+    code = main(["eplb", str(path), "--gpus", "4", "--nodes", "2", "--groups", "4", "--refine", "--plot", str(png)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 2 and not png.exists()  # optional dependency missing: a clear error, no crash
+    else:
+        assert code == 0 and png.stat().st_size > 0
