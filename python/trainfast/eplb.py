@@ -13,8 +13,8 @@ Opt-in extras (the default output stays bit-identical):
   and the others while that lowers the pair's maximum load (see :func:`balancedness`).
 - ``avoid_gpu_duplicates=True``: the greedy skips GPUs that already hold a replica of the same
   expert whenever another non-full GPU does not (upstream issue #22).
-- ``previous_phy2log=``: keep experts that stay on a GPU in their previous slot (see
-  :func:`count_moved`).
+- ``previous_phy2log=``: minimal migration: relabel GPUs within a node and reorder slots so that
+  experts already on a GPU keep their previous slot (see :func:`count_moved`).
 
 >>> import torch
 >>> from trainfast.eplb import rebalance_experts
@@ -167,8 +167,9 @@ def rebalance_experts(
         tie_break: ``"torch"`` (default, bit-identical to upstream on this torch) or ``"stable"``.
         refine: swap replicas to lower each node's heaviest GPU after the greedy packing.
         avoid_gpu_duplicates: keep replicas of one expert on distinct GPUs where the greedy can.
-        previous_phy2log: `[num_layers, num_replicas]` current placement; experts that stay on a GPU
-            keep their slot there (see :func:`count_moved`).
+        previous_phy2log: `[num_layers, num_replicas]` current placement: the GPUs of each node are
+            relabelled (greedy matching) and each GPU's slots reordered so that experts already
+            there keep their slot; balance is unchanged (see :func:`count_moved`).
         num_threads: threads for the layers (default $TRAINFAST_NUM_THREADS or all cores).
 
     Returns:
