@@ -52,5 +52,6 @@ inline Interrupt python_interrupt() {
 void register_checkpoint(py::module_& m);
 void register_buckets(py::module_& m);
 void register_pipeline(py::module_& m);
+void register_eplb(py::module_& m);
 
 }  // namespace trainfast::bindings

@@ -16,4 +16,5 @@ PYBIND11_MODULE(_core, m) {
   trainfast::bindings::register_checkpoint(m);
   trainfast::bindings::register_buckets(m);
   trainfast::bindings::register_pipeline(m);
+  trainfast::bindings::register_eplb(m);
 }

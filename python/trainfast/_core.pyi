@@ -73,3 +73,33 @@ def pipeline_plan_to_layout_str(counts: npt.NDArray[np.int64], pp: int, vpp: int
 def pipeline_balanced_split(
     layer_costs: npt.NDArray[np.float64], pp: int, vpp: int, embedding_cost: float, loss_cost: float
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64], float, float]: ...
+# --- eplb (csrc/bindings/eplb.cpp) ---
+class EplbReplication:
+    """Stage 1 of the hierarchical policy (groups on nodes, replicas chosen)."""
+
+    @property
+    def replica_loads(self) -> npt.NDArray[np.float32]: ...
+
+def eplb_replicate(
+    weight: npt.NDArray[np.float32],
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    group_loads: npt.NDArray[np.float32],
+    group_order: npt.NDArray[np.int64],
+    num_threads: int,
+) -> EplbReplication: ...
+def eplb_place(
+    replication: EplbReplication,
+    replica_order: npt.NDArray[np.int64],
+    refine: bool,
+    avoid_gpu_duplicates: bool,
+    num_threads: int,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+def eplb_balanced_packing(
+    weight: npt.NDArray[Any], order: npt.NDArray[np.int64], num_packs: int, num_threads: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+def eplb_replicate_experts(
+    weight: npt.NDArray[Any], num_phy: int, num_threads: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...

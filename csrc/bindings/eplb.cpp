@@ -1,0 +1,149 @@
+// Bindings for EPLB: the two stages of the hierarchical policy and upstream's two helpers.
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "bindings/common.h"
+#include "eplb/eplb.h"
+
+namespace trainfast::bindings {
+namespace {
+
+// Moves a native buffer into a NumPy array that owns it (no copy).
+template <typename T>
+py::array_t<T> buffer_to_numpy(eplb::Buffer<T>&& values, std::vector<py::ssize_t> shape) {
+  auto* owned = new eplb::Buffer<T>(std::move(values));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<eplb::Buffer<T>*>(p); });
+  return py::array_t<T>(shape, owned->data(), free_when_done);
+}
+
+template <typename T>
+std::span<const T> flat(const CArray<T>& array) {
+  return {array.data(), static_cast<size_t>(array.size())};
+}
+
+void check_2d(const py::array& array, const char* name) {
+  if (array.ndim() != 2) {
+    throw py::value_error(std::string(name) + " must be 2-D (got " + std::to_string(array.ndim()) + "-D)");
+  }
+}
+
+std::shared_ptr<eplb::Replication> replicate(const CArray<float>& weight, int64_t num_replicas,
+                                             int64_t num_groups, int64_t num_nodes, int64_t num_gpus,
+                                             const CArray<float>& group_loads,
+                                             const CArray<int64_t>& group_order, int num_threads) {
+  check_2d(weight, "weight");
+  eplb::Shape shape{weight.shape(0), weight.shape(1), num_replicas, num_groups, num_nodes, num_gpus};
+  auto out = std::make_shared<eplb::Replication>();
+  auto interrupt = python_interrupt();
+  const auto weight_span = flat(weight);
+  const auto loads_span = flat(group_loads);
+  const auto order_span = flat(group_order);
+  {
+    py::gil_scoped_release release;
+    *out = eplb::replicate(weight_span, shape, loads_span, order_span, num_threads, &interrupt);
+  }
+  return out;
+}
+
+py::tuple place(const std::shared_ptr<eplb::Replication>& replication, const CArray<int64_t>& replica_order,
+                bool refine, bool avoid_gpu_duplicates, int num_threads) {
+  if (!replication) throw py::value_error("replication must not be None");
+  const auto order_span = flat(replica_order);
+  eplb::PlaceOptions options{refine, avoid_gpu_duplicates};
+  auto interrupt = python_interrupt();
+  eplb::Placement placement;
+  {
+    py::gil_scoped_release release;
+    placement = eplb::place(*replication, order_span, options, num_threads, &interrupt);
+  }
+  const auto& s = replication->shape;
+  return py::make_tuple(
+      buffer_to_numpy(std::move(placement.phy2log), {s.num_layers, s.num_physical}),
+      buffer_to_numpy(std::move(placement.log2phy), {s.num_layers, s.num_logical, placement.max_count}),
+      buffer_to_numpy(std::move(placement.logcnt), {s.num_layers, s.num_logical}),
+      buffer_to_numpy(std::move(placement.phy_rank), {s.num_layers, s.num_physical}));
+}
+
+template <typename T>
+py::tuple balanced_packing_typed(const py::array& weight_any, const CArray<int64_t>& order, int64_t num_packs,
+                                 int num_threads) {
+  const auto weight = CArray<T>::ensure(weight_any);
+  const int64_t rows = weight.shape(0), items = weight.shape(1);
+  if (order.ndim() != 2 || order.shape(0) != rows || order.shape(1) != items) {
+    throw py::value_error("order must have the shape of weight");
+  }
+  std::vector<int64_t> pack_index(rows * items), rank_in_pack(rows * items);
+  {
+    py::gil_scoped_release release;
+    eplb::balanced_packing<T>(flat(weight), rows, items, flat(order), num_packs, pack_index, rank_in_pack,
+                              num_threads);
+  }
+  return py::make_tuple(to_numpy(std::move(pack_index), {rows, items}),
+                        to_numpy(std::move(rank_in_pack), {rows, items}));
+}
+
+py::tuple balanced_packing(const py::array& weight, const CArray<int64_t>& order, int64_t num_packs,
+                           int num_threads) {
+  check_2d(weight, "weight");
+  if (!(weight.flags() & py::array::c_style)) throw py::value_error("weight must be C-contiguous");
+  if (weight.dtype().is(py::dtype::of<float>())) return balanced_packing_typed<float>(weight, order, num_packs, num_threads);
+  if (weight.dtype().is(py::dtype::of<double>())) return balanced_packing_typed<double>(weight, order, num_packs, num_threads);
+  if (weight.dtype().is(py::dtype::of<int64_t>())) return balanced_packing_typed<int64_t>(weight, order, num_packs, num_threads);
+  throw py::type_error("weight must be float32, float64 or int64 (got " + std::string(py::str(weight.dtype())) + ")");
+}
+
+template <typename T>
+py::tuple replicate_experts_typed(const py::array& weight_any, int64_t num_phy, int num_threads) {
+  const auto weight = CArray<T>::ensure(weight_any);
+  const int64_t rows = weight.shape(0), num_log = weight.shape(1);
+  if (num_phy < num_log) throw py::value_error("num_phy must be >= the number of logical experts");
+  std::vector<int64_t> phy2log(rows * num_phy), rank(rows * num_phy), logcnt(rows * num_log);
+  {
+    py::gil_scoped_release release;
+    eplb::replicate_experts<T>(flat(weight), rows, num_log, num_phy, phy2log, rank, logcnt, num_threads);
+  }
+  return py::make_tuple(to_numpy(std::move(phy2log), {rows, num_phy}), to_numpy(std::move(rank), {rows, num_phy}),
+                        to_numpy(std::move(logcnt), {rows, num_log}));
+}
+
+py::tuple replicate_experts(const py::array& weight, int64_t num_phy, int num_threads) {
+  check_2d(weight, "weight");
+  if (!(weight.flags() & py::array::c_style)) throw py::value_error("weight must be C-contiguous");
+  if (weight.dtype().is(py::dtype::of<float>())) return replicate_experts_typed<float>(weight, num_phy, num_threads);
+  if (weight.dtype().is(py::dtype::of<double>())) return replicate_experts_typed<double>(weight, num_phy, num_threads);
+  if (weight.dtype().is(py::dtype::of<int64_t>())) return replicate_experts_typed<int64_t>(weight, num_phy, num_threads);
+  throw py::type_error("weight must be float32, float64 or int64 (got " + std::string(py::str(weight.dtype())) + ")");
+}
+
+}  // namespace
+
+void register_eplb(py::module_& m) {
+  py::class_<eplb::Replication, std::shared_ptr<eplb::Replication>>(
+      m, "EplbReplication", "Stage 1 of the hierarchical policy (groups on nodes, replicas chosen).")
+      .def_property_readonly(
+          "replica_loads",
+          [](py::object self) {
+            auto& rep = self.cast<eplb::Replication&>();
+            const auto& s = rep.shape;
+            // A view kept alive by the replication object (writes affect only this object).
+            return py::array_t<float>({s.num_layers * s.num_nodes, s.physical_per_node()}, rep.replica_loads.data(),
+                                      self);
+          },
+          "float32 [num_layers * num_nodes, num_replicas / num_nodes]: load / count of each replica.");
+  m.def("eplb_replicate", &replicate, py::arg("weight").noconvert(), py::arg("num_replicas"), py::arg("num_groups"),
+        py::arg("num_nodes"), py::arg("num_gpus"), py::arg("group_loads").noconvert(),
+        py::arg("group_order").noconvert(), py::arg("num_threads"),
+        "Stage 1: pack groups onto nodes and replicate within nodes. Empty group_loads/group_order: "
+        "native float32 sums and order (ties by lowest index).");
+  m.def("eplb_place", &place, py::arg("replication"), py::arg("replica_order").noconvert(), py::arg("refine"),
+        py::arg("avoid_gpu_duplicates"), py::arg("num_threads"),
+        "Stage 2: pack each node's replicas onto its GPUs. Returns (phy2log, log2phy, logcnt, phyrank).");
+  m.def("eplb_balanced_packing", &balanced_packing, py::arg("weight"), py::arg("order").noconvert(),
+        py::arg("num_packs"), py::arg("num_threads"),
+        "Upstream's balanced_packing with the given descending order. Returns (pack_index, rank_in_pack).");
+  m.def("eplb_replicate_experts", &replicate_experts, py::arg("weight"), py::arg("num_phy"), py::arg("num_threads"),
+        "Upstream's replicate_experts. Returns (phy2log, rank, logcnt).");
+}
+
+}  // namespace trainfast::bindings

@@ -1,0 +1,651 @@
+#include "eplb/eplb.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <limits>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "common/check.h"
+#include "common/checked_math.h"
+
+namespace trainfast::eplb {
+namespace {
+
+// Spawning threads costs tens of microseconds: only split work that is clearly larger than that.
+int effective_threads(int num_threads, int64_t work) {
+  constexpr int64_t kWorkPerThread = 16384;
+  const int64_t useful = std::max<int64_t>(1, work / kWorkPerThread);
+  return static_cast<int>(std::clamp<int64_t>(useful, 1, std::max(num_threads, 1)));
+}
+
+template <typename Acc>
+Acc add_load(Acc a, Acc b) {
+  if constexpr (std::is_integral_v<Acc>) {
+    return static_cast<Acc>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));  // torch wraps
+  } else {
+    return a + b;
+  }
+}
+
+// `take ? if_true : if_false` without a branch: the choices below are data-dependent coin flips,
+// which the compiler would otherwise turn into mispredicted jumps.
+template <typename T>
+T select(bool take, T if_true, T if_false) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    const U mask = U{0} - static_cast<U>(take);
+    return static_cast<T>((static_cast<U>(if_true) & mask) | (static_cast<U>(if_false) & ~mask));
+  } else if constexpr (std::is_same_v<T, float>) {
+    return std::bit_cast<float>(select(take, std::bit_cast<uint32_t>(if_true), std::bit_cast<uint32_t>(if_false)));
+  } else if constexpr (std::is_same_v<T, double>) {
+    return std::bit_cast<double>(select(take, std::bit_cast<uint64_t>(if_true), std::bit_cast<uint64_t>(if_false)));
+  } else {
+    return take ? if_true : if_false;
+  }
+}
+
+// Winner tree over n leaves (padded to a power of two with keys that never win): each node holds
+// the better leaf of its subtree, the lower index winning ties, so the root is the first best leaf,
+// like upstream's min()/max(). Updates touch one root path and select with conditional moves.
+template <typename Key, bool kMin>
+class Tournament {
+ public:
+  // Leaves n.. get `padding`, which must never beat a real key (ties go to the real, lower index).
+  void reset(int64_t n, Key padding) {
+    size_ = 1;
+    while (size_ < n) size_ *= 2;
+    key_.assign(size_, padding);
+    tree_.resize(2 * size_);
+  }
+  Key& key(int64_t leaf) { return key_[leaf]; }
+  void build() {
+    for (int64_t i = 0; i < size_; ++i) tree_[size_ + i] = i;
+    for (int64_t pos = size_ - 1; pos >= 1; --pos) {
+      const int64_t a = tree_[2 * pos], b = tree_[2 * pos + 1];
+      tree_[pos] = select(better(key_[b], key_[a]), b, a);
+    }
+  }
+  // Replays the matches on leaf's root path, carrying the winner's key: sibling winners do not
+  // depend on this update, so the only serial work per level is one compare.
+  void update(int64_t leaf) {
+    int64_t winner = leaf;
+    Key winner_key = key_[leaf];
+    for (int64_t pos = size_ + leaf; pos > 1; pos >>= 1) {
+      const int64_t other = tree_[pos ^ 1];
+      const Key other_key = key_[other];
+      // The left subtree holds the lower indices: the right side wins only when strictly better.
+      const unsigned other_is_left = static_cast<unsigned>(pos & 1);
+      const unsigned other_better = better(other_key, winner_key);
+      const unsigned winner_better = better(winner_key, other_key);
+      const bool take_other = ((other_is_left & (winner_better ^ 1u)) | ((other_is_left ^ 1u) & other_better)) != 0;
+      winner = select(take_other, other, winner);
+      winner_key = select(take_other, other_key, winner_key);
+      tree_[pos >> 1] = winner;
+    }
+  }
+  int64_t top() const { return size_ == 1 ? 0 : tree_[1]; }
+
+ private:
+  static bool better(const Key& a, const Key& b) { return kMin ? a < b : b < a; }
+
+  int64_t size_ = 1;
+  std::vector<Key> key_;
+  std::vector<int64_t> tree_;
+};
+
+// Sort key of a pack: (full, load), full packs last. float loads pack into one integer compare.
+template <typename Acc>
+struct PackKey {
+  using Type = std::pair<uint8_t, Acc>;
+  static Type make(Acc load, bool full) { return {static_cast<uint8_t>(full), load}; }
+  static Type padding() { return {2, Acc{}}; }
+};
+
+template <>
+struct PackKey<float> {
+  using Type = uint64_t;
+  static Type make(float load, bool full) {
+    // Order-preserving float bits; +0.0f turns a -0 into +0 so that equal loads get equal keys.
+    const uint32_t bits = std::bit_cast<uint32_t>(load + 0.0f);
+    const uint32_t ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return (static_cast<uint64_t>(full) << 32) | ordered;
+  }
+  static Type padding() { return uint64_t{2} << 32; }
+};
+
+// The non-full packs by load: upstream's min() over the packs in index order keeps the first of
+// equal loads.
+template <typename Acc>
+class PackHeap {
+ public:
+  void reset(int64_t num_packs, int64_t capacity) {
+    capacity_ = capacity;
+    count_.assign(num_packs, 0);
+    load_.assign(num_packs, Acc{0});
+    tree_.reset(num_packs, PackKey<Acc>::padding());
+    for (int64_t p = 0; p < num_packs; ++p) tree_.key(p) = PackKey<Acc>::make(Acc{0}, false);
+    tree_.build();
+  }
+
+  // Puts an item of load `value` into the lightest non-full pack; returns (pack, rank in pack).
+  std::pair<int64_t, int64_t> add(Acc value) {
+    const int64_t pack = tree_.top();
+    const int64_t rank = count_[pack]++;
+    load_[pack] = add_load(load_[pack], value);
+    tree_.key(pack) = PackKey<Acc>::make(load_[pack], count_[pack] == capacity_);
+    tree_.update(pack);
+    return {pack, rank};
+  }
+
+ private:
+  int64_t capacity_ = 0;
+  std::vector<int64_t> count_;
+  std::vector<Acc> load_;
+  Tournament<typename PackKey<Acc>::Type, true> tree_;
+};
+
+// Experts keyed by load per replica: upstream's `(weight / logcnt).max(-1).indices`, which returns
+// the first maximum.
+template <typename Quotient>
+class ReplicaHeap {
+ public:
+  template <typename Value>
+  void reset(const Value* weight, int64_t num_log) {
+    weight_q_.resize(num_log);
+    count_.assign(num_log, 1);
+    tree_.reset(num_log, -std::numeric_limits<Quotient>::infinity());
+    for (int64_t e = 0; e < num_log; ++e) {
+      weight_q_[e] = static_cast<Quotient>(weight[e]);
+      tree_.key(e) = weight_q_[e];  // x / 1 == x
+    }
+    tree_.build();
+  }
+
+  // Adds a replica to the expert with the largest load per replica; returns (expert, its rank).
+  std::pair<int64_t, int64_t> add() {
+    const int64_t expert = tree_.top();
+    const int64_t rank = count_[expert]++;
+    tree_.key(expert) = weight_q_[expert] / static_cast<Quotient>(count_[expert]);
+    tree_.update(expert);
+    return {expert, rank};
+  }
+
+  const std::vector<int64_t>& counts() const { return count_; }
+
+ private:
+  std::vector<Quotient> weight_q_;
+  std::vector<int64_t> count_;
+  Tournament<Quotient, false> tree_;
+};
+
+template <typename Value>
+using QuotientOf = std::conditional_t<std::is_same_v<Value, double>, double, float>;
+
+template <typename Value>
+using AccOf = std::conditional_t<std::is_integral_v<Value>, int64_t, Value>;
+
+// Order-preserving bits of a float (-0 counts as +0): a < b as floats iff key(a) < key(b).
+uint32_t ordered_bits(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value + 0.0f);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Descending by value, ties by lowest index (the native "stable" order): a stable LSD radix sort of
+// the inverted keys, starting from index order. Byte passes that cannot reorder are skipped.
+class DescendingSorter {
+ public:
+  void sort(const float* values, int64_t n, int64_t* order) {
+    keys_.resize(n);
+    next_keys_.resize(n);
+    next_order_.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      keys_[i] = ~ordered_bits(values[i]);
+      order[i] = i;
+    }
+    uint32_t* keys = keys_.data();
+    uint32_t* next_keys = next_keys_.data();
+    int64_t* current = order;
+    int64_t* next = next_order_.data();
+    for (int shift = 0; shift < 32; shift += 8) {
+      std::array<int64_t, 256> start{};
+      for (int64_t i = 0; i < n; ++i) ++start[(keys[i] >> shift) & 0xFF];
+      if (std::find(start.begin(), start.end(), n) != start.end()) continue;  // one bucket: no-op
+      int64_t sum = 0;
+      for (auto& count : start) {
+        const int64_t c = count;
+        count = sum;
+        sum += c;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = start[(keys[i] >> shift) & 0xFF]++;
+        next_keys[at] = keys[i];
+        next[at] = current[i];
+      }
+      std::swap(keys, next_keys);
+      std::swap(current, next);
+    }
+    if (current != order) std::copy(current, current + n, order);
+  }
+
+ private:
+  std::vector<uint32_t> keys_, next_keys_;
+  std::vector<int64_t> next_order_;
+};
+
+template <typename Value>
+void pack_row(const Value* weight, const int64_t* order, int64_t n, int64_t num_packs,
+              int64_t* pack_index, int64_t* rank_in_pack, PackHeap<AccOf<Value>>& heap) {
+  heap.reset(num_packs, n / num_packs);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t item = order[k];
+    const auto [pack, rank] = heap.add(static_cast<AccOf<Value>>(weight[item]));
+    pack_index[item] = pack;
+    rank_in_pack[item] = rank;
+  }
+}
+
+// Greedy packing that skips packs already holding a replica of the same expert while another
+// non-full pack does not; then swaps remaining duplicates away (each swap removes one duplicate
+// and creates none), choosing the partner whose load differs least.
+void pack_row_distinct(const float* weight, const int32_t* expert_of, int64_t num_experts,
+                       const int64_t* order, int64_t n, int64_t num_packs, int64_t* pack_index,
+                       int64_t* rank_in_pack, std::vector<int32_t>& held) {
+  const int64_t capacity = n / num_packs;
+  std::vector<float> load(num_packs, 0.0f);
+  std::vector<int64_t> count(num_packs, 0);
+  held.assign(num_experts * num_packs, 0);  // replicas of expert e on pack p
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t item = order[k], expert = expert_of[item];
+    int64_t best = -1, best_any = -1;
+    for (int64_t p = 0; p < num_packs; ++p) {
+      if (count[p] == capacity) continue;
+      if (best_any < 0 || load[p] < load[best_any]) best_any = p;
+      if (held[expert * num_packs + p] == 0 && (best < 0 || load[p] < load[best])) best = p;
+    }
+    const int64_t pack = best >= 0 ? best : best_any;
+    pack_index[item] = pack;
+    rank_in_pack[item] = count[pack]++;
+    load[pack] += weight[item];
+    ++held[expert * num_packs + pack];
+  }
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t g = pack_index[a], e = expert_of[a];
+    if (held[e * num_packs + g] < 2) continue;
+    int64_t partner = -1;
+    float best_cost = std::numeric_limits<float>::infinity();
+    for (int64_t b = 0; b < n; ++b) {
+      const int64_t h = pack_index[b], f = expert_of[b];
+      if (h == g || f == e || held[e * num_packs + h] > 0 || held[f * num_packs + g] > 0) continue;
+      const float cost = std::abs(weight[a] - weight[b]);
+      if (partner < 0 || cost < best_cost) {
+        partner = b;
+        best_cost = cost;
+      }
+    }
+    if (partner < 0) continue;  // no swap removes this duplicate
+    const int64_t h = pack_index[partner], f = expert_of[partner];
+    --held[e * num_packs + g];
+    ++held[e * num_packs + h];
+    --held[f * num_packs + h];
+    ++held[f * num_packs + g];
+    std::swap(pack_index[a], pack_index[partner]);
+    std::swap(rank_in_pack[a], rank_in_pack[partner]);
+  }
+}
+
+// Swaps replicas between the heaviest GPU and another while that lowers the pair's maximum.
+// Swapped items exchange (gpu, rank), so every other slot keeps its place.
+void refine_row(const float* load_of, const int32_t* expert_of, int64_t n, int64_t num_packs,
+                int64_t* pack_index, int64_t* rank_in_pack, bool avoid_duplicates) {
+  const int64_t per_pack = n / num_packs;
+  std::vector<int64_t> members(n);
+  std::vector<double> load(num_packs, 0.0);
+  for (int64_t item = 0; item < n; ++item) {
+    members[pack_index[item] * per_pack + rank_in_pack[item]] = item;
+    load[pack_index[item]] += load_of[item];
+  }
+  auto holds_other = [&](int64_t pack, int64_t expert, int64_t except) {
+    for (int64_t r = 0; r < per_pack; ++r) {
+      const int64_t item = members[pack * per_pack + r];
+      if (item != except && expert_of[item] == expert) return true;
+    }
+    return false;
+  };
+  const int64_t max_iterations = 8 * n + 64;
+  for (int64_t iteration = 0; iteration < max_iterations; ++iteration) {
+    const int64_t heavy = std::max_element(load.begin(), load.end()) - load.begin();
+    double best_max = load[heavy] - 1e-9 * std::abs(load[heavy]);  // demand a real gain
+    int64_t best_a = -1, best_b = -1, best_pack = -1;
+    for (int64_t pack = 0; pack < num_packs; ++pack) {
+      if (pack == heavy || load[pack] >= load[heavy]) continue;
+      for (int64_t i = 0; i < per_pack; ++i) {
+        const int64_t a = members[heavy * per_pack + i];
+        for (int64_t j = 0; j < per_pack; ++j) {
+          const int64_t b = members[pack * per_pack + j];
+          const double delta = static_cast<double>(load_of[a]) - load_of[b];
+          if (delta <= 0) continue;
+          const double new_max = std::max(load[heavy] - delta, load[pack] + delta);
+          if (new_max >= best_max) continue;
+          if (avoid_duplicates && expert_of[a] != expert_of[b] &&
+              (holds_other(pack, expert_of[a], b) || holds_other(heavy, expert_of[b], a))) {
+            continue;
+          }
+          best_max = new_max;
+          best_a = a;
+          best_b = b;
+          best_pack = pack;
+        }
+      }
+    }
+    if (best_a < 0) break;
+    const double delta = static_cast<double>(load_of[best_a]) - load_of[best_b];
+    load[heavy] -= delta;
+    load[best_pack] += delta;
+    std::swap(pack_index[best_a], pack_index[best_b]);
+    std::swap(rank_in_pack[best_a], rank_in_pack[best_b]);
+    members[pack_index[best_a] * per_pack + rank_in_pack[best_a]] = best_a;
+    members[pack_index[best_b] * per_pack + rank_in_pack[best_b]] = best_b;
+  }
+}
+
+}  // namespace
+
+void check_shape(const Shape& s) {
+  TF_CHECK_ARG(s.num_layers > 0, "weight", s.num_layers, "must have at least one layer (rows)");
+  TF_CHECK_ARG(s.num_logical > 0, "weight", s.num_logical, "must have at least one expert (columns)");
+  TF_CHECK_ARG(s.num_groups > 0, "num_groups", s.num_groups, "must be positive");
+  TF_CHECK_ARG(s.num_nodes > 0, "num_nodes", s.num_nodes, "must be positive");
+  TF_CHECK_ARG(s.num_gpus > 0, "num_gpus", s.num_gpus, "must be positive");
+  TF_CHECK_ARG(s.num_physical > 0, "num_replicas", s.num_physical, "must be positive");
+  TF_CHECK_ARG(s.num_logical % s.num_groups == 0, "num_groups", s.num_groups,
+               "must divide the number of logical experts");
+  TF_CHECK_ARG(s.num_groups % s.num_nodes == 0, "num_nodes", s.num_nodes, "must divide num_groups");
+  TF_CHECK_ARG(s.num_gpus % s.num_nodes == 0, "num_gpus", s.num_gpus, "must be a multiple of num_nodes");
+  TF_CHECK_ARG(s.num_physical % s.num_gpus == 0, "num_replicas", s.num_physical,
+               "must be a multiple of num_gpus");
+  TF_CHECK_ARG(s.num_physical >= s.num_logical, "num_replicas", s.num_physical,
+               "must be >= the number of logical experts");
+  TF_CHECK_ARG(checked_mul(s.num_layers, s.num_physical).has_value() &&
+                   checked_mul(s.num_layers, s.num_logical).has_value(),
+               "weight", s.num_layers, "is too large");
+  TF_CHECK_ARG(s.num_physical < (int64_t{1} << 31), "num_replicas", s.num_physical, "must be < 2^31");
+}
+
+void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_logical) {
+  TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == num_layers * num_logical, "weight", weight.size(),
+               "must hold num_layers * num_logical_experts loads");
+  for (size_t i = 0; i < weight.size(); ++i) {
+    const float value = weight[i];
+    if (!(value >= 0.0f) || std::isinf(value)) {
+      const int64_t layer = static_cast<int64_t>(i) / num_logical;
+      const int64_t expert = static_cast<int64_t>(i) % num_logical;
+      throw std::invalid_argument("weight[" + std::to_string(layer) + ", " + std::to_string(expert) +
+                                  "] (layer " + std::to_string(layer) + ", expert " +
+                                  std::to_string(expert) +
+                                  ") must be a finite, non-negative load (got " +
+                                  detail::format_value(value) + ")");
+    }
+  }
+}
+
+void check_order(std::span<const int64_t> order, int64_t num_rows, int64_t n, const char* name) {
+  TF_CHECK_ARG(static_cast<int64_t>(order.size()) == num_rows * n, name,
+               static_cast<int64_t>(order.size()), "has the wrong number of elements");
+  std::vector<int64_t> seen(n, -1);
+  for (int64_t row = 0; row < num_rows; ++row) {
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t item = order[row * n + k];
+      TF_CHECK_ARG(item >= 0 && item < n && seen[item] != row, name, item,
+                   "must hold a permutation of each row's indices");
+      seen[item] = row;
+    }
+  }
+}
+
+Replication replicate(std::span<const float> weight, const Shape& shape,
+                      std::span<const float> group_loads, std::span<const int64_t> group_order,
+                      int num_threads, Interrupt* interrupt) {
+  check_shape(shape);
+  const int64_t L = shape.num_layers, E = shape.num_logical, G = shape.num_groups,
+                N = shape.num_nodes;
+  TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == L * E, "weight", weight.size(),
+               "must hold num_layers * num_logical_experts loads");
+  check_loads(weight, L, E);
+  const bool native_groups = group_loads.empty();
+  TF_CHECK_ARG(group_order.empty() == native_groups, "group_order", group_order.size(),
+               "must be given together with group_loads");
+  const int64_t groups_per_node = shape.groups_per_node();
+  if (!native_groups) {
+    TF_CHECK_ARG(static_cast<int64_t>(group_loads.size()) == L * G, "group_loads", group_loads.size(),
+                 "must have num_layers * num_groups elements");
+    if (groups_per_node > 1) check_order(group_order, L, G, "group_order");
+  }
+
+  const int64_t group_size = shape.group_size(), epn = shape.logical_per_node(),
+                ppn = shape.physical_per_node();
+  Replication out;
+  out.shape = shape;
+  out.log2mlog.resize(L * E);
+  out.mlog2log.resize(L * E);
+  out.phy2mlog.resize(L * N * ppn);
+  out.phy_rank.resize(L * N * ppn);
+  out.mlog_count.resize(L * E);
+  out.replica_loads.resize(L * N * ppn);
+
+  auto body = [&](int64_t begin, int64_t end) {
+    std::vector<float> loads(G), mlog_loads(epn);
+    std::vector<int64_t> order(G), group_node(G), group_rank(G);
+    PackHeap<float> pack_heap;
+    DescendingSorter sorter;
+    ReplicaHeap<float> replica_heap;
+    for (int64_t layer = begin; layer < end; ++layer) {
+      const float* w = weight.data() + layer * E;
+      if (groups_per_node == 1) {
+        std::iota(group_node.begin(), group_node.end(), int64_t{0});
+        std::fill(group_rank.begin(), group_rank.end(), 0);
+      } else {
+        const float* group_load = nullptr;
+        const int64_t* group_desc = nullptr;
+        if (native_groups) {
+          for (int64_t g = 0; g < G; ++g) {
+            float sum = 0.0f;
+            for (int64_t m = 0; m < group_size; ++m) sum += w[g * group_size + m];
+            loads[g] = sum;
+          }
+          sorter.sort(loads.data(), G, order.data());
+          group_load = loads.data();
+          group_desc = order.data();
+        } else {
+          group_load = group_loads.data() + layer * G;
+          group_desc = group_order.data() + layer * G;
+        }
+        pack_row(group_load, group_desc, G, N, group_node.data(), group_rank.data(), pack_heap);
+      }
+      int32_t* log2mlog = out.log2mlog.data() + layer * E;
+      int32_t* mlog2log = out.mlog2log.data() + layer * E;
+      for (int64_t g = 0, e = 0; g < G; ++g) {
+        const int64_t first = (group_node[g] * groups_per_node + group_rank[g]) * group_size;
+        for (int64_t member = 0; member < group_size; ++member, ++e) {
+          log2mlog[e] = static_cast<int32_t>(first + member);
+          mlog2log[first + member] = static_cast<int32_t>(e);
+        }
+      }
+      for (int64_t node = 0; node < N; ++node) {
+        const int64_t row = layer * N + node;
+        for (int64_t m = 0; m < epn; ++m) mlog_loads[m] = w[mlog2log[node * epn + m]];
+        int32_t* phy2mlog = out.phy2mlog.data() + row * ppn;
+        int32_t* phy_rank = out.phy_rank.data() + row * ppn;
+        int32_t* count = out.mlog_count.data() + row * epn;
+        for (int64_t m = 0; m < epn; ++m) {
+          phy2mlog[m] = static_cast<int32_t>(m);
+          phy_rank[m] = 0;
+        }
+        replica_heap.reset(mlog_loads.data(), epn);
+        for (int64_t slot = epn; slot < ppn; ++slot) {
+          const auto [expert, rank] = replica_heap.add();
+          phy2mlog[slot] = static_cast<int32_t>(expert);
+          phy_rank[slot] = static_cast<int32_t>(rank);
+        }
+        std::copy(replica_heap.counts().begin(), replica_heap.counts().end(), count);
+        float* replica_load = out.replica_loads.data() + row * ppn;
+        for (int64_t p = 0; p < ppn; ++p) {
+          const int64_t m = phy2mlog[p];
+          replica_load[p] = mlog_loads[m] / static_cast<float>(count[m]);
+        }
+      }
+    }
+  };
+  const int threads = effective_threads(num_threads, L * shape.num_physical);
+  parallel_for(L, std::max<int64_t>(1, (L + 4 * threads - 1) / (4 * threads)), threads, body, interrupt);
+  return out;
+}
+
+Placement place(const Replication& rep, std::span<const int64_t> replica_order,
+                const PlaceOptions& options, int num_threads, Interrupt* interrupt) {
+  const Shape& shape = rep.shape;
+  const int64_t L = shape.num_layers, E = shape.num_logical, P = shape.num_physical,
+                N = shape.num_nodes;
+  const int64_t epn = shape.logical_per_node(), ppn = shape.physical_per_node(),
+                gpn = shape.gpus_per_node(), spg = shape.slots_per_gpu();
+  const bool native_order = replica_order.empty();
+  if (!native_order && spg > 1) check_order(replica_order, L * N, ppn, "replica_order");
+
+  Placement out;
+  out.phy2log.resize(L * P);
+  out.phy_rank.resize(L * P);
+  out.logcnt.resize(L * E);
+  // log2phy's width is known before placing (counts come from stage 1), so each layer fills its
+  // rows while that layer's slots are still in cache.
+  out.max_count = *std::max_element(rep.mlog_count.begin(), rep.mlog_count.end());
+  const int64_t width = out.max_count;
+  out.log2phy.resize(L * E * width);
+
+  auto body = [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> gpu(ppn), rank(ppn), order(ppn);
+    std::vector<int32_t> holds;
+    PackHeap<float> heap;
+    DescendingSorter sorter;
+    for (int64_t layer = begin; layer < end; ++layer) {
+      for (int64_t node = 0; node < N; ++node) {
+        const int64_t row = layer * N + node;
+        const float* replica_load = rep.replica_loads.data() + row * ppn;
+        const int32_t* phy2mlog = rep.phy2mlog.data() + row * ppn;
+        if (spg == 1) {
+          std::iota(gpu.begin(), gpu.end(), int64_t{0});
+          std::fill(rank.begin(), rank.end(), 0);
+        } else {
+          const int64_t* desc = nullptr;
+          if (native_order) {
+            sorter.sort(replica_load, ppn, order.data());
+            desc = order.data();
+          } else {
+            desc = replica_order.data() + row * ppn;
+          }
+          if (options.avoid_gpu_duplicates) {
+            pack_row_distinct(replica_load, phy2mlog, epn, desc, ppn, gpn, gpu.data(), rank.data(), holds);
+          } else {
+            pack_row(replica_load, desc, ppn, gpn, gpu.data(), rank.data(), heap);
+          }
+          if (options.refine) {
+            refine_row(replica_load, phy2mlog, ppn, gpn, gpu.data(), rank.data(),
+                       options.avoid_gpu_duplicates);
+          }
+        }
+        const int32_t* mlog2log = rep.mlog2log.data() + layer * E;
+        const int32_t* phy_rank = rep.phy_rank.data() + row * ppn;
+        int64_t* phy2log = out.phy2log.data() + layer * P;
+        int64_t* out_rank = out.phy_rank.data() + layer * P;
+        for (int64_t p = 0; p < ppn; ++p) {
+          const int64_t slot = node * ppn + gpu[p] * spg + rank[p];
+          phy2log[slot] = mlog2log[node * epn + phy2mlog[p]];
+          out_rank[slot] = phy_rank[p];
+        }
+      }
+      const int32_t* log2mlog = rep.log2mlog.data() + layer * E;
+      const int32_t* counts = rep.mlog_count.data() + layer * E;  // rows of this layer's nodes
+      int64_t* logcnt = out.logcnt.data() + layer * E;
+      for (int64_t e = 0; e < E; ++e) logcnt[e] = counts[log2mlog[e]];
+      int64_t* log2phy = out.log2phy.data() + layer * E * width;
+      std::fill(log2phy, log2phy + E * width, int64_t{-1});
+      const int64_t* phy2log = out.phy2log.data() + layer * P;
+      const int64_t* phy_rank = out.phy_rank.data() + layer * P;
+      for (int64_t slot = 0; slot < P; ++slot) log2phy[phy2log[slot] * width + phy_rank[slot]] = slot;
+    }
+  };
+  const int threads = effective_threads(num_threads, L * P * (options.refine ? 8 : 1));
+  parallel_for(L, std::max<int64_t>(1, (L + 4 * threads - 1) / (4 * threads)), threads, body, interrupt);
+
+  return out;
+}
+
+template <typename Value>
+void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t num_items,
+                      std::span<const int64_t> order, int64_t num_packs, std::span<int64_t> pack_index,
+                      std::span<int64_t> rank_in_pack, int num_threads) {
+  TF_CHECK_ARG(num_packs > 0, "num_packs", num_packs, "must be positive");
+  TF_CHECK_ARG(num_items % num_packs == 0, "num_packs", num_packs, "must divide the number of items");
+  TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == num_rows * num_items, "weight", weight.size(),
+               "has the wrong number of elements");
+  TF_CHECK_ARG(pack_index.size() == weight.size() && rank_in_pack.size() == weight.size(), "pack_index",
+               pack_index.size(), "must match weight");
+  check_order(order, num_rows, num_items, "order");
+  auto body = [&](int64_t begin, int64_t end) {
+    PackHeap<AccOf<Value>> heap;
+    for (int64_t row = begin; row < end; ++row) {
+      pack_row(weight.data() + row * num_items, order.data() + row * num_items, num_items, num_packs,
+               pack_index.data() + row * num_items, rank_in_pack.data() + row * num_items, heap);
+    }
+  };
+  const int threads = effective_threads(num_threads, num_rows * num_items);
+  parallel_for(num_rows, std::max<int64_t>(1, num_rows / (4 * threads)), threads, body);
+}
+
+template <typename Value>
+void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t num_log, int64_t num_phy,
+                       std::span<int64_t> phy2log, std::span<int64_t> rank, std::span<int64_t> logcnt,
+                       int num_threads) {
+  TF_CHECK_ARG(num_log > 0, "weight", num_log, "must have at least one expert (columns)");
+  TF_CHECK_ARG(num_phy >= num_log, "num_phy", num_phy, "must be >= the number of logical experts");
+  TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == num_rows * num_log, "weight", weight.size(),
+               "has the wrong number of elements");
+  TF_CHECK_ARG(static_cast<int64_t>(phy2log.size()) == num_rows * num_phy &&
+                   rank.size() == phy2log.size() && logcnt.size() == weight.size(),
+               "phy2log", phy2log.size(), "has the wrong number of elements");
+  auto body = [&](int64_t begin, int64_t end) {
+    ReplicaHeap<QuotientOf<Value>> heap;
+    for (int64_t row = begin; row < end; ++row) {
+      int64_t* row_phy2log = phy2log.data() + row * num_phy;
+      int64_t* row_rank = rank.data() + row * num_phy;
+      for (int64_t e = 0; e < num_log; ++e) {
+        row_phy2log[e] = e;
+        row_rank[e] = 0;
+      }
+      heap.reset(weight.data() + row * num_log, num_log);
+      for (int64_t slot = num_log; slot < num_phy; ++slot) {
+        const auto [expert, expert_rank] = heap.add();
+        row_phy2log[slot] = expert;
+        row_rank[slot] = expert_rank;
+      }
+      std::copy(heap.counts().begin(), heap.counts().end(), logcnt.data() + row * num_log);
+    }
+  };
+  const int threads = effective_threads(num_threads, num_rows * num_phy);
+  parallel_for(num_rows, std::max<int64_t>(1, num_rows / (4 * threads)), threads, body);
+}
+
+#define TF_EPLB_INSTANTIATE(T)                                                                       \
+  template void balanced_packing<T>(std::span<const T>, int64_t, int64_t, std::span<const int64_t>, \
+                                    int64_t, std::span<int64_t>, std::span<int64_t>, int);          \
+  template void replicate_experts<T>(std::span<const T>, int64_t, int64_t, int64_t,                 \
+                                     std::span<int64_t>, std::span<int64_t>, std::span<int64_t>, int);
+TF_EPLB_INSTANTIATE(float)
+TF_EPLB_INSTANTIATE(double)
+TF_EPLB_INSTANTIATE(int64_t)
+#undef TF_EPLB_INSTANTIATE
+
+}  // namespace trainfast::eplb

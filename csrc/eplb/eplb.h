@@ -1,0 +1,121 @@
+// DeepSeek's expert-parallel load balancer (deepseek-ai/EPLB `eplb.py`) on plain arrays.
+//
+// The hierarchical policy runs in two stages so that a caller can supply the two descending orders
+// upstream takes from torch's (non-stable) sort: `replicate` needs the order of the group loads,
+// `place` the order of the per-replica loads that `replicate` produced. Passing empty orders sorts
+// natively (ties by lowest index), which is the torch-independent "stable" mode.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "common/parallel.h"
+
+namespace trainfast::eplb {
+
+// std::allocator that leaves ints and floats uninitialised on resize: every element of the buffers
+// below is written before it is read, and zeroing them first doubled the memory traffic.
+template <typename T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <typename U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+template <typename T>
+using Buffer = std::vector<T, UninitializedAllocator<T>>;
+
+// A hierarchical problem; the global policy is num_groups = num_nodes = 1.
+struct Shape {
+  int64_t num_layers = 0;
+  int64_t num_logical = 0;   // logical experts per layer
+  int64_t num_physical = 0;  // physical slots per layer (replicas)
+  int64_t num_groups = 1;
+  int64_t num_nodes = 1;
+  int64_t num_gpus = 1;
+
+  int64_t group_size() const { return num_logical / num_groups; }
+  int64_t groups_per_node() const { return num_groups / num_nodes; }
+  int64_t logical_per_node() const { return num_logical / num_nodes; }
+  int64_t physical_per_node() const { return num_physical / num_nodes; }
+  int64_t gpus_per_node() const { return num_gpus / num_nodes; }
+  int64_t slots_per_gpu() const { return num_physical / num_gpus; }
+};
+
+// Throws std::invalid_argument naming the first bad argument (upstream's asserts plus positivity).
+void check_shape(const Shape& shape);
+
+// Throws std::invalid_argument naming weight[layer, expert] when a load is NaN, infinite or < 0.
+void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_logical);
+
+// Result of stage 1: groups packed onto nodes, then replicas chosen within each node.
+// "mlog" numbers logical experts node-major (node, arrival rank of the group, member).
+struct Replication {
+  Shape shape;
+  // 32-bit internally (check_shape bounds the sizes): half the memory traffic of int64.
+  Buffer<int32_t> log2mlog;          // [L, E]
+  Buffer<int32_t> mlog2log;          // [L, E]
+  Buffer<int32_t> phy2mlog;          // [L * N, P / N] node-local logical id of each replica
+  Buffer<int32_t> phy_rank;          // [L * N, P / N] replica rank
+  Buffer<int32_t> mlog_count;        // [L * N, E / N] replicas per node-local expert
+  Buffer<float> replica_loads;       // [L * N, P / N] float32 load / count of each replica
+};
+
+// weight [L, E] float32. group_loads [L, G] and group_order [L, G] (each row a descending order of
+// group_loads) come from torch in the bit-identical mode; both empty: float32 sequential sums and a
+// native order with ties by lowest index.
+Replication replicate(std::span<const float> weight, const Shape& shape,
+                      std::span<const float> group_loads, std::span<const int64_t> group_order,
+                      int num_threads, Interrupt* interrupt = nullptr);
+
+struct PlaceOptions {
+  bool refine = false;                // swap replicas out of the heaviest GPU of each node
+  bool avoid_gpu_duplicates = false;  // prefer GPUs not yet holding a replica of the same expert
+};
+
+struct Placement {
+  Buffer<int64_t> phy2log;   // [L, P]
+  Buffer<int64_t> phy_rank;  // [L, P]
+  Buffer<int64_t> logcnt;    // [L, E]
+  Buffer<int64_t> log2phy;   // [L, E, max_count], -1 padded
+  int64_t max_count = 0;
+};
+
+// Stage 2: each node's replicas onto its GPUs. replica_order [L * N, P / N] is a descending order of
+// replication.replica_loads per row (from torch), or empty for the native order.
+Placement place(const Replication& replication, std::span<const int64_t> replica_order,
+                const PlaceOptions& options, int num_threads, Interrupt* interrupt = nullptr);
+
+// Upstream's helpers on [rows, n] arrays. `order` holds each row's descending order (required when
+// n / num_packs > 1). Pack loads accumulate in Value's type (int64 wraps like torch).
+template <typename Value>
+void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t num_items,
+                      std::span<const int64_t> order, int64_t num_packs, std::span<int64_t> pack_index,
+                      std::span<int64_t> rank_in_pack, int num_threads);
+
+// Per-replica loads are compared as Quotient (float for float32 and integer weights, as torch's
+// true division; double for float64).
+template <typename Value>
+void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t num_log, int64_t num_phy,
+                       std::span<int64_t> phy2log, std::span<int64_t> rank, std::span<int64_t> logcnt,
+                       int num_threads);
+
+// Checks that every row of order [num_rows, n] is a permutation of 0..n-1 ("name" for errors).
+void check_order(std::span<const int64_t> order, int64_t num_rows, int64_t n, const char* name);
+
+}  // namespace trainfast::eplb

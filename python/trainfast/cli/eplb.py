@@ -1,0 +1,200 @@
+"""``trainfast eplb``: place MoE experts on GPUs from a loads tensor and summarise the balance."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from trainfast._util import check_int
+
+_NAME = "eplb"
+logger = logging.getLogger("trainfast.cli.eplb")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        _NAME, help="balance MoE experts over GPUs (DeepSeek EPLB) from a [layers, experts] loads file")
+    parser.add_argument("loads", nargs="?", help="loads [layers, experts]: .pt, .npy or .csv (default: synthetic "
+                                                 "DeepSeek-V3-sized lognormal token counts)")
+    parser.add_argument("--replicas", type=int, default=None, help="physical experts per layer (default experts + "
+                                                                   "12.5%%, rounded up to a multiple of --gpus)")
+    parser.add_argument("--groups", type=int, default=8, help="expert groups (default 8)")
+    parser.add_argument("--nodes", type=int, default=4, help="server nodes (default 4)")
+    parser.add_argument("--gpus", type=int, default=32, help="GPUs (default 32)")
+    parser.add_argument("--tie-break", choices=("torch", "stable"), default="torch")
+    parser.add_argument("--refine", action="store_true", help="also run refine=True and compare")
+    parser.add_argument("--avoid-gpu-duplicates", action="store_true")
+    parser.add_argument("--save", metavar="OUT.pt", help="save {phy2log, log2phy, logcnt} with torch.save")
+    parser.add_argument("--plot", metavar="OUT.png", help="plot per-GPU load before/after (needs matplotlib)")
+    parser.set_defaults(handler=_run_args)
+
+
+def _run_args(args: argparse.Namespace) -> int:
+    return run(args.loads, replicas=args.replicas, groups=args.groups, nodes=args.nodes, gpus=args.gpus,
+               tie_break=args.tie_break, refine=args.refine, avoid_gpu_duplicates=args.avoid_gpu_duplicates,
+               save=args.save, plot=args.plot)
+
+
+def load_loads(path: str) -> Any:
+    """A [layers, experts] tensor from .pt (a tensor), .npy or .csv (one layer per line)."""
+    import numpy as np
+    import torch
+
+    suffix = Path(path).suffix.lower()
+    if suffix in (".pt", ".pth"):
+        value = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{path} must hold a single tensor (got {type(value).__name__})")
+        return value
+    if suffix == ".npy":
+        return torch.from_numpy(np.load(path, allow_pickle=False))
+    if suffix in (".csv", ".txt"):
+        return torch.from_numpy(np.atleast_2d(np.loadtxt(path, delimiter=",")))
+    raise ValueError(f"loads must be a .pt, .npy or .csv file (got {path!r})")
+
+
+def synthetic_loads(num_layers: int = 58, num_experts: int = 256, seed: int = 0) -> Any:
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(np.round(rng.lognormal(6.0, 1.0, size=(num_layers, num_experts))).astype(np.int64))
+
+
+def _naive_gpu_loads(weight: Any, num_gpus: int) -> Any:
+    """Per-GPU loads without EPLB: expert e on GPU e * num_gpus // experts, no replicas."""
+    import numpy as np
+
+    w = weight.double().numpy()
+    gpu_of = (np.arange(w.shape[1]) * num_gpus) // w.shape[1]
+    out = np.zeros((w.shape[0], num_gpus))
+    for gpu in range(num_gpus):
+        out[:, gpu] = w[:, gpu_of == gpu].sum(-1)
+    return out
+
+
+def _timed(fn, repeats: int = 5) -> tuple[Any, float]:
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return result, best
+
+
+def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpus: int, tie_break: str = "torch",
+        refine: bool = False, avoid_gpu_duplicates: bool = False, save: str | None = None,
+        plot: str | None = None) -> int:
+    import numpy as np
+
+    from trainfast import eplb
+
+    gpus = check_int(gpus, "--gpus", min_value=1)
+    weight = load_loads(loads) if loads else synthetic_loads()
+    if weight.dim() != 2:
+        raise ValueError(f"loads must be 2-D [layers, experts] (got shape {tuple(weight.shape)})")
+    num_layers, num_experts = weight.shape
+    if replicas is None:
+        replicas = -(-(num_experts + num_experts // 8) // gpus) * gpus
+    policy = "hierarchical" if groups % nodes == 0 else "global"
+    print(f"eplb: {num_layers} layers x {num_experts} experts -> {replicas} replicas on {gpus} GPUs "
+          f"({nodes} nodes, {groups} groups, {policy} policy, tie_break={tie_break})")
+    kwargs = dict(tie_break=tie_break, avoid_gpu_duplicates=avoid_gpu_duplicates)
+    (phy2log, log2phy, logcnt), seconds = _timed(
+        lambda: eplb.rebalance_experts(weight, replicas, groups, nodes, gpus, **kwargs))
+    naive = _naive_gpu_loads(weight, gpus)
+    after = eplb.gpu_loads(weight, phy2log, logcnt, gpus)
+    mean = np.maximum(naive.mean(-1), 1e-30)
+    print(f"  placed in {seconds * 1e3:.2f} ms; replicas per expert max {int(logcnt.max())}, "
+          f"log2phy {tuple(log2phy.shape)}")
+    print(f"  max/mean GPU load (mean over layers): without EPLB {np.mean(naive.max(-1) / mean):.4f}, "
+          f"EPLB {eplb.balancedness(weight, phy2log, logcnt, gpus):.4f}")
+    refined = None
+    if refine:
+        refined, refine_seconds = _timed(
+            lambda: eplb.rebalance_experts(weight, replicas, groups, nodes, gpus, refine=True, **kwargs))
+        print(f"  refine=True: {eplb.balancedness(weight, refined[0], refined[2], gpus):.4f} "
+              f"({refine_seconds * 1e3:.2f} ms)")
+    if save:
+        import torch
+
+        torch.save({"phy2log": phy2log, "log2phy": log2phy, "logcnt": logcnt}, save)
+        print(f"  saved placement to {save}")
+    if plot:
+        _plot(plot, naive, after, None if refined is None else eplb.gpu_loads(weight, refined[0], refined[2], gpus))
+        print(f"  wrote {plot}")
+    return 0
+
+
+def _plot(path: str, naive: Any, after: Any, refined: Any) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from error
+    num_gpus = naive.shape[1]
+    fig, ax = plt.subplots(figsize=(max(6, num_gpus * 0.2), 3.5))
+    series = [("without EPLB", naive), ("EPLB", after)] + ([("EPLB + refine", refined)] if refined is not None else [])
+    width = 0.8 / len(series)
+    for k, (label, loads) in enumerate(series):
+        ax.bar([g + k * width for g in range(num_gpus)], loads.mean(0), width=width, label=label)
+    ax.set_xlabel("GPU")
+    ax.set_ylabel("load (tokens, mean over layers)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _python_reference() -> tuple[str, Any] | None:
+    """Upstream's rebalance_experts when importable, else the repository's oracle in a source checkout."""
+    from trainfast.integrations.eplb import KNOWN_MODULES
+
+    for name in KNOWN_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "rebalance_experts"):
+            return name, module.rebalance_experts
+    oracle = Path(__file__).resolve().parents[3] / "tests" / "reference" / "eplb.py"
+    if oracle.exists():
+        spec = importlib.util.spec_from_file_location("_trainfast_eplb_oracle", oracle)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return "tests/reference oracle (upstream's algorithm)", module.rebalance_experts
+    return None
+
+
+def demo() -> None:
+    import torch
+
+    from trainfast import eplb
+
+    weight = synthetic_loads()
+    args = (weight, 288, 8, 4, 32)
+    print("eplb: DeepSeek-V3 prefill placement, 58 layers x 256 experts -> 288 replicas, 4 nodes x 8 GPUs")
+    got, native_s = _timed(lambda: eplb.rebalance_experts(*args), repeats=20)
+    _, stable_s = _timed(lambda: eplb.rebalance_experts(*args, tie_break="stable"), repeats=20)
+    refined, _ = _timed(lambda: eplb.rebalance_experts(*args, refine=True), repeats=3)
+    print(f"  native {native_s * 1e3:.2f} ms (stable mode {stable_s * 1e3:.2f} ms); max/mean GPU load "
+          f"{eplb.balancedness(weight, got[0], got[2], 32):.4f}, refine=True "
+          f"{eplb.balancedness(weight, refined[0], refined[2], 32):.4f}")
+    reference = _python_reference()
+    if reference is None:
+        print("  (no Python reference importable here: install DeepSeek's eplb.py or run from a source checkout)")
+        return
+    label, fn = reference
+    try:
+        expected, python_s = _timed(lambda: fn(*args), repeats=1)
+    except TypeError:  # SGLang's signature
+        expected, python_s = _timed(lambda: fn(*args, True), repeats=1)
+    same = all(torch.equal(a, b) for a, b in zip(got, expected))
+    print(f"  vs {label}: python {python_s:.2f} s, {python_s / native_s:,.0f}x faster, identical={same}")

@@ -1,0 +1,423 @@
+"""DeepSeek's expert-parallel load balancer (deepseek-ai/EPLB ``eplb.py``), native and drop-in.
+
+``rebalance_experts`` returns exactly what upstream returns on the same torch build: the two
+descending orders upstream takes from torch's non-stable ``sort`` (and the group loads from torch's
+``sum``) are still taken from torch, everything else (greedy packing with heaps, replication,
+index maps) runs natively, layers in parallel.
+
+Opt-in extras (the default output stays bit-identical):
+
+- ``tie_break="stable"``: fully native and torch-independent; ties go to the lowest index, group
+  loads are float32 sums in index order. Reproducible across torch versions, and the fastest path.
+- ``refine=True``: after the greedy packing, swap replicas between the heaviest GPU of each node
+  and the others while that lowers the pair's maximum load (see :func:`balancedness`).
+- ``avoid_gpu_duplicates=True``: the greedy skips GPUs that already hold a replica of the same
+  expert whenever another non-full GPU does not (upstream issue #22).
+- ``previous_phy2log=``: minimal migration: relabel GPUs within a node and reorder slots so that
+  experts already on a GPU keep their previous slot (see :func:`count_moved`).
+
+>>> import torch
+>>> from trainfast.eplb import rebalance_experts
+>>> weight = torch.tensor([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+...                        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+>>> phy2log, log2phy, logcnt = rebalance_experts(weight, 16, 4, 2, 8)
+>>> phy2log[0].tolist()
+[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1]
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from trainfast import _core
+from trainfast._util import UpstreamAssertionError, check_choice, resolve_num_threads
+
+__all__ = [
+    "balanced_packing",
+    "balancedness",
+    "count_moved",
+    "gpu_loads",
+    "rebalance_experts",
+    "rebalance_experts_hierarchical",
+    "replicate_experts",
+]
+
+logger = logging.getLogger(__name__)
+
+TieBreak = Literal["torch", "stable"]
+_TIE_BREAKS = ("torch", "stable")
+_EMPTY_F32 = np.empty(0, dtype=np.float32)
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+
+
+def _count(value: Any, name: str) -> int:
+    """A positive int argument; upstream asserts on these, so the error is also an AssertionError."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
+    value = value.__index__()
+    if value <= 0:
+        raise UpstreamAssertionError(f"{name} must be positive (got {value})")
+    return value
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UpstreamAssertionError(message)
+
+
+def _as_tensor(weight: Any) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return weight.detach()
+    if isinstance(weight, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(weight))
+    if isinstance(weight, (str, bytes)) or not hasattr(weight, "__len__"):
+        raise TypeError(f"weight must be a torch tensor, NumPy array or nested sequence (got {type(weight).__name__})")
+    return torch.tensor(weight)
+
+
+def _weight_2d(weight: Any) -> torch.Tensor:
+    tensor = _as_tensor(weight)
+    if tensor.dtype.is_complex:
+        raise TypeError(f"weight must have a real dtype (got {tensor.dtype})")
+    if tensor.dim() != 2:
+        raise UpstreamAssertionError(f"weight must be 2-D [num_layers, num_logical_experts] (got shape "
+                                     f"{tuple(tensor.shape)})")
+    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+        raise UpstreamAssertionError(f"weight must not be empty (got shape {tuple(tensor.shape)})")
+    return tensor
+
+
+def _float32_cpu(weight: torch.Tensor) -> torch.Tensor:
+    """Upstream's ``weight.float().cpu()``, made contiguous for the native core."""
+    return weight.float().cpu().contiguous()
+
+
+def _check_hierarchical(num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
+                        physical_name: str) -> None:
+    """Upstream's asserts of the hierarchical policy (messages built only on failure)."""
+    if num_logical % num_groups:
+        raise UpstreamAssertionError(f"num_groups must divide the number of logical experts (got "
+                                     f"num_groups={num_groups}, {num_logical} experts)")
+    if num_groups % num_nodes:
+        raise UpstreamAssertionError(f"num_nodes must divide num_groups (got num_nodes={num_nodes}, "
+                                     f"num_groups={num_groups})")
+    if num_gpus % num_nodes:
+        raise UpstreamAssertionError(f"num_gpus must be a multiple of num_nodes (got num_gpus={num_gpus}, "
+                                     f"num_nodes={num_nodes})")
+    if num_physical % num_gpus:
+        raise UpstreamAssertionError(f"{physical_name} must be a multiple of num_gpus (got "
+                                     f"{physical_name}={num_physical}, num_gpus={num_gpus})")
+    if num_physical < num_logical:
+        raise UpstreamAssertionError(f"{physical_name} must be >= the number of logical experts (got "
+                                     f"{physical_name}={num_physical}, {num_logical} experts)")
+
+
+def _descending_order(values: torch.Tensor) -> np.ndarray:
+    """Upstream's ``values.float().sort(-1, descending=True).indices`` (torch's tie order)."""
+    return values.float().sort(-1, descending=True).indices.cpu().numpy()
+
+
+def _run(weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int, *,
+         tie_break: str, refine: bool, avoid_gpu_duplicates: bool, num_threads: int | None) -> tuple[np.ndarray, ...]:
+    """Both stages on float32 CPU ``weight``; returns numpy (phy2log, log2phy, logcnt, phyrank)."""
+    threads = resolve_num_threads(num_threads)
+    weight_np = weight.numpy()
+    num_logical = weight.shape[1]
+    group_loads, group_order = _EMPTY_F32, _EMPTY_I64
+    if tie_break == "torch" and num_groups // num_nodes > 1:
+        loads = weight.unflatten(-1, (num_groups, num_logical // num_groups)).sum(-1)
+        group_loads, group_order = loads.numpy(), _descending_order(loads)
+    replication = _core.eplb_replicate(weight_np, num_physical, num_groups, num_nodes, num_gpus, group_loads,
+                                       group_order, threads)
+    replica_order = _EMPTY_I64
+    if tie_break == "torch" and num_physical // num_gpus > 1:
+        replica_order = _descending_order(torch.from_numpy(replication.replica_loads))
+    return _core.eplb_place(replication, replica_order, bool(refine), bool(avoid_gpu_duplicates), threads)
+
+
+def rebalance_experts(
+    weight: Any,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    enable_hierarchical: bool | None = None,
+    *,
+    tie_break: TieBreak = "torch",
+    refine: bool = False,
+    avoid_gpu_duplicates: bool = False,
+    previous_phy2log: Any = None,
+    num_threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entry point of the load balancer; same arguments and outputs as upstream.
+
+    Args:
+        weight: `[num_layers, num_logical_experts]` loads, any real dtype and device (used as float32
+            CPU, like upstream). NaN, infinite or negative loads raise ValueError.
+        num_replicas: physical experts per layer, a multiple of ``num_gpus``, >= the logical experts.
+        num_groups: expert groups; the hierarchical policy runs when ``num_groups % num_nodes == 0``,
+            else the global one (one group, one node).
+        num_nodes: server nodes (fast intra-node network).
+        num_gpus: GPUs, a multiple of ``num_nodes`` (hierarchical policy).
+        enable_hierarchical: SGLang's variant of the API: forces the policy (None: DeepSeek's rule).
+        tie_break: ``"torch"`` (default, bit-identical to upstream on this torch) or ``"stable"``.
+        refine: swap replicas to lower each node's heaviest GPU after the greedy packing.
+        avoid_gpu_duplicates: keep replicas of one expert on distinct GPUs where the greedy can.
+        previous_phy2log: `[num_layers, num_replicas]` current placement: the GPUs of each node are
+            relabelled (greedy matching) and each GPU's slots reordered so that experts already
+            there keep their slot; balance is unchanged (see :func:`count_moved`).
+        num_threads: threads for the layers (default $TRAINFAST_NUM_THREADS or all cores).
+
+    Returns:
+        ``(phy2log, log2phy, logcnt)``, int64 CPU contiguous: `[num_layers, num_replicas]` logical
+        expert of each slot; `[num_layers, num_logical_experts, max_count]` slots of each expert by
+        replica rank, -1 padded; `[num_layers, num_logical_experts]` replicas per expert.
+
+    Raises:
+        UpstreamAssertionError (both ValueError and AssertionError) where upstream asserts, naming
+        the argument; ValueError naming the layer and expert of a bad load.
+    """
+    tensor = _weight_2d(weight)
+    num_replicas = _count(num_replicas, "num_replicas")
+    num_groups = _count(num_groups, "num_groups")
+    num_nodes = _count(num_nodes, "num_nodes")
+    num_gpus = _count(num_gpus, "num_gpus")
+    check_choice(tie_break, "tie_break", _TIE_BREAKS)
+    num_logical = tensor.shape[1]
+    hierarchical = num_groups % num_nodes == 0 if enable_hierarchical is None else bool(enable_hierarchical)
+    if hierarchical:
+        _check_hierarchical(num_logical, num_replicas, num_groups, num_nodes, num_gpus, "num_replicas")
+        groups, nodes = num_groups, num_nodes
+    else:  # upstream's global policy
+        _check_hierarchical(num_logical, num_replicas, 1, 1, num_gpus, "num_replicas")
+        groups, nodes = 1, 1
+    phy2log, log2phy, logcnt, phyrank = _run(
+        _float32_cpu(tensor), num_replicas, groups, nodes, num_gpus, tie_break=tie_break, refine=refine,
+        avoid_gpu_duplicates=avoid_gpu_duplicates, num_threads=num_threads)
+    if previous_phy2log is not None:
+        phy2log, log2phy = _keep_previous_slots(previous_phy2log, phy2log, phyrank, log2phy.shape,
+                                                num_replicas // num_gpus, num_gpus // nodes)
+    return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
+
+
+def rebalance_experts_hierarchical(
+    weight: Any,
+    num_physical_experts: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    *,
+    tie_break: TieBreak = "torch",
+    num_threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Upstream's hierarchical policy on float32 ``weight`` `[num_layers, num_logical_experts]`.
+
+    Returns ``(phy2log, phyrank, logcnt)``: `[num_layers, num_physical_experts]` logical expert and
+    replica rank of each slot, `[num_layers, num_logical_experts]` replica counts; int64 CPU.
+    Other dtypes raise TypeError (upstream's arithmetic would differ; ``rebalance_experts`` casts).
+    """
+    tensor = _weight_2d(weight)
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"weight must be float32 here, as rebalance_experts passes it (got {tensor.dtype})")
+    num_physical_experts = _count(num_physical_experts, "num_physical_experts")
+    num_groups = _count(num_groups, "num_groups")
+    num_nodes = _count(num_nodes, "num_nodes")
+    num_gpus = _count(num_gpus, "num_gpus")
+    check_choice(tie_break, "tie_break", _TIE_BREAKS)
+    _check_hierarchical(tensor.shape[1], num_physical_experts, num_groups, num_nodes, num_gpus,
+                        "num_physical_experts")
+    phy2log, _, logcnt, phyrank = _run(
+        _float32_cpu(tensor), num_physical_experts, num_groups, num_nodes, num_gpus, tie_break=tie_break,
+        refine=False, avoid_gpu_duplicates=False, num_threads=num_threads)
+    return torch.from_numpy(phy2log), torch.from_numpy(phyrank), torch.from_numpy(logcnt)
+
+
+def _helper_weight(weight: Any) -> tuple[torch.Tensor, np.ndarray]:
+    """(tensor, numpy array in the dtype whose arithmetic matches upstream's on this tensor)."""
+    tensor = _weight_2d(weight)
+    if tensor.dtype in (torch.float32, torch.float64, torch.int64):
+        native = tensor.cpu().contiguous()
+    elif tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.uint8):
+        native = tensor.cpu().to(torch.int64).contiguous()  # same result unless upstream's narrow sums overflow
+    else:
+        raise TypeError(f"weight must be float32, float64 or an integer dtype (got {tensor.dtype})")
+    if native.is_floating_point() and bool(torch.isnan(native).any()):
+        layer, expert = (int(i) for i in torch.nonzero(torch.isnan(native))[0])
+        raise ValueError(f"weight[{layer}, {expert}] is NaN (layer {layer}, expert {expert})")
+    return tensor, native.numpy()
+
+
+def balanced_packing(weight: Any, num_packs: int, *, num_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packs each row's items into ``num_packs`` packs of equal size, heaviest first.
+
+    Args:
+        weight: `[rows, n]` item weights (float32/float64/integer); ``n % num_packs == 0``.
+        num_packs: number of packs.
+
+    Returns:
+        ``(pack_index, rank_in_pack)``, int64 CPU `[rows, n]`: each item's pack and arrival rank.
+    """
+    tensor, native = _helper_weight(weight)
+    num_packs = _count(num_packs, "num_packs")
+    num_rows, num_items = tensor.shape
+    _require(num_items % num_packs == 0,
+             f"num_packs must divide the number of items (got num_packs={num_packs}, {num_items} items)")
+    if num_items == num_packs:  # one item per pack: upstream skips the sort
+        return (torch.arange(num_items, dtype=torch.int64).repeat(num_rows, 1),
+                torch.zeros(num_rows, num_items, dtype=torch.int64))
+    order = _descending_order(tensor)
+    pack_index, rank_in_pack = _core.eplb_balanced_packing(native, order, num_packs, resolve_num_threads(num_threads))
+    return torch.from_numpy(pack_index), torch.from_numpy(rank_in_pack)
+
+
+def replicate_experts(weight: Any, num_phy: int, *, num_threads: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Adds ``num_phy - num_log`` replicas, each to the expert with the largest load per replica.
+
+    Args:
+        weight: `[rows, num_log]` loads (float32/float64/integer; integers divide in float32 as torch).
+        num_phy: replicas per row, >= ``num_log``.
+
+    Returns:
+        ``(phy2log [rows, num_phy], rank [rows, num_phy], logcnt [rows, num_log])``, int64 CPU.
+    """
+    _, native = _helper_weight(weight)
+    num_phy = _count(num_phy, "num_phy")
+    _require(num_phy >= native.shape[1],
+             f"num_phy must be >= the number of logical experts (got num_phy={num_phy}, {native.shape[1]} experts)")
+    outputs = _core.eplb_replicate_experts(native, num_phy, resolve_num_threads(num_threads))
+    return tuple(torch.from_numpy(x) for x in outputs)
+
+
+# --- beyond upstream -------------------------------------------------------------------------------
+
+def gpu_loads(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> np.ndarray:
+    """float64 `[num_layers, num_gpus]`: each GPU's load, every replica carrying load / count."""
+    w = _float32_cpu(_weight_2d(weight)).numpy().astype(np.float64)
+    p2l = np.asarray(phy2log, dtype=np.int64)
+    cnt = np.asarray(logcnt, dtype=np.int64)
+    per_replica = np.take_along_axis(w / cnt, p2l, axis=1)
+    return per_replica.reshape(p2l.shape[0], num_gpus, -1).sum(-1)
+
+
+def balancedness(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> float:
+    """Mean over layers of max / mean GPU load (1.0 is perfect; layers without load count as 1)."""
+    loads = gpu_loads(weight, phy2log, logcnt, num_gpus)
+    mean = loads.mean(-1)
+    ratio = np.where(mean > 0, loads.max(-1) / np.where(mean > 0, mean, 1.0), 1.0)
+    return float(ratio.mean())
+
+
+def _match_gpus(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, gpus_per_node: int) -> np.ndarray:
+    """For one layer: a permutation of the GPUs inside each node (new GPU -> GPU index it takes)
+    that greedily maximises the experts already present there. Balance is unchanged: GPUs of one
+    node are interchangeable."""
+    num_gpus = new_gpus.shape[0]
+    new_has = np.zeros((num_gpus, num_logical + 1), dtype=np.float64)
+    old_has = np.zeros((num_gpus, num_logical + 1), dtype=np.float64)
+    rows = np.repeat(np.arange(num_gpus), new_gpus.shape[1])
+    new_has[rows, new_gpus.ravel()] = 1.0
+    old_has[rows, np.clip(old_gpus.ravel(), 0, num_logical)] = 1.0
+    old_has[:, num_logical] = 0.0  # ids outside [0, num_logical) match nothing
+    overlap = new_has @ old_has.T
+    node = np.arange(num_gpus) // gpus_per_node
+    overlap[node[:, None] != node[None, :]] = -1.0  # never across nodes
+    # Keep GPUs in place unless moving them gains experts: a tiny bonus on the diagonal.
+    overlap[np.arange(num_gpus), np.arange(num_gpus)] += 0.5
+    target = np.empty(num_gpus, dtype=np.int64)
+    for _ in range(num_gpus):
+        new_gpu, old_gpu = np.unravel_index(int(np.argmax(overlap)), overlap.shape)
+        target[new_gpu] = old_gpu
+        overlap[new_gpu, :] = -2.0
+        overlap[:, old_gpu] = -2.0
+    return target
+
+
+def _keep_previous_slots(previous_phy2log: Any, phy2log: np.ndarray, phyrank: np.ndarray,
+                         log2phy_shape: tuple[int, ...], slots_per_gpu: int,
+                         gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Minimal migration: permutes the GPUs inside each node, then each GPU's slots, so that as many
+    experts as possible stay in the slot they had in ``previous_phy2log``."""
+    previous = _as_tensor(previous_phy2log)
+    if previous.dtype.is_floating_point or previous.dtype.is_complex or previous.dtype == torch.bool:
+        raise TypeError(f"previous_phy2log must have an integer dtype (got {previous.dtype})")
+    previous = previous.cpu().to(torch.int64).numpy()
+    if previous.shape != phy2log.shape:
+        raise ValueError(f"previous_phy2log must have shape {tuple(phy2log.shape)} (got {tuple(previous.shape)})")
+    num_layers, num_slots = phy2log.shape
+    num_gpus = num_slots // slots_per_gpu
+    new_phy2log = np.empty_like(phy2log)
+    new_rank = np.empty_like(phyrank)
+    for layer in range(num_layers):
+        new_gpus = phy2log[layer].reshape(num_gpus, slots_per_gpu)
+        rank_gpus = phyrank[layer].reshape(num_gpus, slots_per_gpu)
+        old_gpus = previous[layer].reshape(num_gpus, slots_per_gpu)
+        target = _match_gpus(new_gpus, old_gpus, log2phy_shape[1], gpus_per_node)
+        for new_gpu in range(num_gpus):
+            gpu = int(target[new_gpu])
+            entries = list(zip(new_gpus[new_gpu].tolist(), rank_gpus[new_gpu].tolist()))
+            old = old_gpus[gpu].tolist()
+            placed: list[tuple[int, int] | None] = [None] * slots_per_gpu
+            remaining = []
+            for entry in entries:  # an expert keeps a slot it held before on this GPU
+                for k, old_expert in enumerate(old):
+                    if placed[k] is None and old_expert == entry[0]:
+                        placed[k] = entry
+                        break
+                else:
+                    remaining.append(entry)
+            free = (k for k in range(slots_per_gpu) if placed[k] is None)
+            for entry, k in zip(remaining, free):
+                placed[k] = entry
+            start = gpu * slots_per_gpu
+            for k, (expert, rank) in enumerate(placed):
+                new_phy2log[layer, start + k] = expert
+                new_rank[layer, start + k] = rank
+    log2phy = np.full(log2phy_shape, -1, dtype=np.int64)
+    layers = np.repeat(np.arange(num_layers), num_slots)
+    log2phy[layers, new_phy2log.ravel(), new_rank.ravel()] = np.tile(np.arange(num_slots), num_layers)
+    moved = count_moved(previous, new_phy2log)
+    logger.info("rebalance_experts: %d of %d slots change expert", moved, new_phy2log.size)
+    return new_phy2log, log2phy
+
+
+def count_moved(previous_phy2log: Any, phy2log: Any) -> int:
+    """Number of physical slots whose logical expert changes (experts to migrate)."""
+    return int((np.asarray(previous_phy2log, dtype=np.int64) != np.asarray(phy2log, dtype=np.int64)).sum())
+
+
+# --- torch.library custom op (works under torch.compile) ---------------------------------------------
+
+def _register_torch_op() -> Any:
+    """Registers ``torch.ops.trainfast.rebalance_experts`` (default mode) with a fake implementation."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:  # torch < 2.4
+        return None
+
+    @custom_op("trainfast::rebalance_experts", mutates_args=(), device_types=None)
+    def rebalance_experts_op(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+                             num_gpus: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        outputs = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+        return tuple(x.clone() for x in outputs)  # the op owns fresh storage
+
+    @rebalance_experts_op.register_fake
+    def _(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+          num_gpus: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_layers, num_logical = weight.shape
+        max_count = torch.library.get_ctx().new_dynamic_size(min=1)  # data-dependent width of log2phy
+        cpu = torch.device("cpu")
+        return (weight.new_empty((num_layers, num_replicas), dtype=torch.int64, device=cpu),
+                weight.new_empty((num_layers, num_logical, max_count), dtype=torch.int64, device=cpu),
+                weight.new_empty((num_layers, num_logical), dtype=torch.int64, device=cpu))
+
+    return rebalance_experts_op
+
+
+try:
+    rebalance_experts_op = _register_torch_op()
+except RuntimeError as error:  # already registered (module reloaded)
+    logger.debug("torch.ops.trainfast.rebalance_experts not re-registered: %s", error)
+    rebalance_experts_op = getattr(getattr(torch.ops, "trainfast", None), "rebalance_experts", None)

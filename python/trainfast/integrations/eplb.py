@@ -1,0 +1,102 @@
+"""Swap trainfast's EPLB into any module with DeepSeek's API (a copied ``eplb.py``, SGLang's
+``deepseek`` algorithm module, ...).
+
+>>> import my_copy_of_eplb
+>>> from trainfast.integrations import eplb
+>>> eplb.patch(my_copy_of_eplb)  # doctest: +SKIP
+['my_copy_of_eplb.balanced_packing', ...]
+
+Outputs are unchanged (bit-identical on the same torch); SGLang's extra ``enable_hierarchical``
+argument is accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+from typing import Any
+
+__all__ = ["patch", "unpatch", "is_patched", "FUNCTIONS", "KNOWN_MODULES"]
+
+logger = logging.getLogger(__name__)
+
+FUNCTIONS = ("balanced_packing", "replicate_experts", "rebalance_experts_hierarchical", "rebalance_experts")
+# Tried in order when patch() is called without a module.
+KNOWN_MODULES = (
+    "sglang.srt.eplb.eplb_algorithms.deepseek",
+    "sglang.srt.managers.eplb_algorithms.deepseek",
+    "eplb",
+)
+
+# module name -> (module, {function name: original})
+_originals: dict[str, tuple[ModuleType, dict[str, Any]]] = {}
+
+
+def _resolve(module: ModuleType | str | None) -> ModuleType:
+    if isinstance(module, ModuleType):
+        return module
+    if isinstance(module, str):
+        return importlib.import_module(module)
+    if module is not None:
+        raise TypeError(f"module must be a module, a module name or None (got {type(module).__name__})")
+    errors = []
+    for name in KNOWN_MODULES:
+        try:
+            candidate = importlib.import_module(name)
+        except ImportError as error:
+            errors.append(f"{name}: {error}")
+            continue
+        if hasattr(candidate, "rebalance_experts"):
+            return candidate
+    raise ImportError("no module with DeepSeek's EPLB API found; pass one to patch() (" + "; ".join(errors) + ")")
+
+
+def _replacement(name: str, original: Any) -> Any:
+    from trainfast import eplb
+
+    ours = getattr(eplb, name)
+
+    @functools.wraps(original)
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        return ours(*args, **kwargs)
+
+    replacement.__trainfast_original__ = original
+    return replacement
+
+
+def patch(module: ModuleType | str | None = None) -> list[str]:
+    """Replaces DeepSeek's EPLB functions found in ``module``; returns the ``module.name`` replaced.
+
+    Raises ImportError when the module has no ``rebalance_experts``. Idempotent.
+    """
+    target = _resolve(module)
+    if not hasattr(target, "rebalance_experts"):
+        raise ImportError(f"{target.__name__} has no rebalance_experts (not DeepSeek's EPLB API)")
+    saved = _originals.setdefault(target.__name__, (target, {}))[1]
+    patched = []
+    for name in FUNCTIONS:
+        if not hasattr(target, name):
+            continue
+        if name not in saved:
+            saved[name] = getattr(target, name)
+            setattr(target, name, _replacement(name, saved[name]))
+        patched.append(f"{target.__name__}.{name}")
+    logger.info("patched %s", ", ".join(patched))
+    return patched
+
+
+def unpatch(module: ModuleType | str | None = None) -> None:
+    """Restores the functions ``patch`` replaced (all patched modules when ``module`` is None)."""
+    names = [_resolve(module).__name__] if module is not None else list(_originals)
+    for module_name in names:
+        target, saved = _originals.pop(module_name, (None, {}))
+        for name, original in saved.items():
+            setattr(target, name, original)
+
+
+def is_patched(module: ModuleType | str | None = None) -> bool:
+    if module is None:
+        return bool(_originals)
+    return _resolve(module).__name__ in _originals

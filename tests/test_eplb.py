@@ -1,0 +1,482 @@
+"""EPLB: native == readable torch oracle (tests/reference/eplb.py), bit for bit, plus invariants."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference import eplb as ref
+from trainfast import eplb
+from trainfast._util import UpstreamAssertionError
+
+README_WEIGHT = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
+
+
+def assert_same(got, expected):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == torch.int64 and g.device.type == "cpu" and g.is_contiguous()
+        assert torch.equal(g, e), f"\n{g}\n!=\n{e}"
+
+
+# --- random problems -------------------------------------------------------------------------------
+
+LOAD_KINDS = ("small_ints", "two_values", "all_equal", "all_zero", "uniform", "lognormal", "zipf", "float64")
+
+
+def random_loads(rng: np.random.Generator, kind: str, shape: tuple[int, int]) -> torch.Tensor:
+    if kind == "small_ints":  # token counts with many ties
+        return torch.from_numpy(rng.integers(0, 4, size=shape))
+    if kind == "two_values":
+        return torch.from_numpy(rng.choice([0, 10], size=shape))
+    if kind == "all_equal":
+        return torch.full(shape, float(rng.integers(1, 100)))
+    if kind == "all_zero":
+        return torch.zeros(shape, dtype=torch.int64)
+    if kind == "uniform":
+        return torch.from_numpy(rng.random(shape, dtype=np.float32))
+    if kind == "lognormal":
+        return torch.from_numpy(np.round(rng.lognormal(0, 1.5, size=shape) * 100))
+    if kind == "zipf":
+        return torch.from_numpy(np.minimum(rng.zipf(1.5, size=shape), 10**6))
+    return torch.from_numpy(rng.random(shape) * 1e3)  # float64: upstream casts to float32
+
+
+def random_problem(rng: np.random.Generator, max_layers: int = 4) -> tuple:
+    num_nodes = int(rng.integers(1, 5))
+    num_groups = num_nodes * int(rng.integers(1, 5))
+    group_size = int(rng.integers(1, 5))
+    num_logical = num_groups * group_size
+    gpus_per_node = int(rng.integers(1, 5))
+    num_gpus = num_nodes * gpus_per_node
+    if rng.random() < 0.3 and num_nodes > 1:  # DeepSeek's global policy: groups not divisible by nodes
+        num_groups = next(g for g in range(num_groups + 1, 10 * num_groups) if g % num_nodes != 0)
+    num_replicas = num_gpus * (-(-num_logical // num_gpus) + int(rng.integers(0, 3)))
+    kind = LOAD_KINDS[int(rng.integers(len(LOAD_KINDS)))]
+    weight = random_loads(rng, kind, (int(rng.integers(1, max_layers + 1)), num_logical))
+    return weight, num_replicas, num_groups, num_nodes, num_gpus
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_cases_match_oracle(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(80):  # 25 x 80 = 2000 cases
+        args = random_problem(rng)
+        assert_same(eplb.rebalance_experts(*args), ref.rebalance_experts(*args))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_cases_stable_mode_match_stable_oracle(seed):
+    rng = np.random.default_rng(1000 + seed)
+    for _ in range(50):
+        args = random_problem(rng)
+        assert_same(eplb.rebalance_experts(*args, tie_break="stable"), ref.rebalance_experts(*args, tie_break="stable"))
+
+
+@st.composite
+def problems(draw):
+    num_nodes = draw(st.integers(1, 3))
+    num_groups = num_nodes * draw(st.integers(1, 3))
+    group_size = draw(st.integers(1, 4))
+    num_gpus = num_nodes * draw(st.integers(1, 3))
+    num_logical = num_groups * group_size
+    num_replicas = num_gpus * (-(-num_logical // num_gpus) + draw(st.integers(0, 2)))
+    num_layers = draw(st.integers(1, 3))
+    loads = draw(st.lists(st.integers(0, 5), min_size=num_layers * num_logical, max_size=num_layers * num_logical))
+    weight = torch.tensor(loads, dtype=torch.int64).reshape(num_layers, num_logical)
+    # num_groups + 1 is not a multiple of num_nodes (> 1): DeepSeek's global policy.
+    groups = draw(st.sampled_from([num_groups, num_groups + 1] if num_nodes > 1 else [num_groups]))
+    return weight, num_replicas, groups, num_nodes, num_gpus
+
+
+@given(problems())
+def test_hypothesis_matches_oracle(args):
+    assert_same(eplb.rebalance_experts(*args), ref.rebalance_experts(*args))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape, num_replicas, num_groups, num_nodes, num_gpus",
+    [
+        ((58, 256), 288, 8, 4, 32),  # DeepSeek-V3 prefill: hierarchical
+        ((6, 256), 320, 1, 1, 64),  # decode: global over 64 GPUs
+        ((3, 384), 512, 1, 1, 64),
+        ((4, 256), 256, 8, 4, 32),  # no redundancy
+    ],
+)
+@pytest.mark.parametrize("kind", ["lognormal", "small_ints", "all_equal"])
+def test_deepseek_v3_scale_matches_oracle(shape, num_replicas, num_groups, num_nodes, num_gpus, kind):
+    if kind != "lognormal" and shape[0] > 10:
+        shape = (6, shape[1])
+    weight = random_loads(np.random.default_rng(7), kind, shape)
+    args = (weight, num_replicas, num_groups, num_nodes, num_gpus)
+    assert_same(eplb.rebalance_experts(*args), ref.rebalance_experts(*args))
+
+
+# --- the issue's worked example ----------------------------------------------------------------------
+
+
+def test_readme_example():
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(torch.tensor(README_WEIGHT), 16, 4, 2, 8)
+    assert phy2log.tolist() == [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
+    assert logcnt.tolist() == [[1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1], [1, 2, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1]]
+    assert log2phy.shape == (2, 12, 2)
+    assert log2phy[0, 1].tolist() == [15, 13] and log2phy[0, 4].tolist() == [7, 5]
+    assert_same((phy2log, log2phy, logcnt), ref.rebalance_experts(torch.tensor(README_WEIGHT), 16, 4, 2, 8))
+
+
+def test_input_kinds_agree():
+    expected = eplb.rebalance_experts(torch.tensor(README_WEIGHT), 16, 4, 2, 8)
+    for weight in (README_WEIGHT, np.array(README_WEIGHT), np.array(README_WEIGHT, dtype=np.float32),
+                   torch.tensor(README_WEIGHT, dtype=torch.float64), torch.tensor(README_WEIGHT).t().contiguous().t()):
+        assert_same(eplb.rebalance_experts(weight, 16, 4, 2, 8), expected)
+
+
+def test_sglang_enable_hierarchical_argument():
+    weight = torch.tensor(README_WEIGHT)
+    assert_same(eplb.rebalance_experts(weight, 16, 4, 2, 8, True), eplb.rebalance_experts(weight, 16, 4, 2, 8))
+    assert_same(eplb.rebalance_experts(weight, 16, 4, 2, 8, False), eplb.rebalance_experts(weight, 16, 3, 2, 8))
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.int32])
+def test_balanced_packing_matches_oracle(dtype):
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        num_packs = int(rng.integers(1, 6))
+        n = num_packs * int(rng.integers(1, 6))
+        values = rng.integers(0, 4, size=(int(rng.integers(1, 4)), n)) if rng.random() < 0.5 else rng.random((2, n)) * 9
+        weight = torch.from_numpy(values).to(dtype)
+        assert_same(eplb.balanced_packing(weight, num_packs), ref.balanced_packing(weight, num_packs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_replicate_experts_matches_oracle(dtype):
+    rng = np.random.default_rng(4)
+    for _ in range(60):
+        num_log = int(rng.integers(1, 9))
+        num_phy = num_log + int(rng.integers(0, 12))
+        values = rng.integers(0, 5, size=(3, num_log)) if rng.random() < 0.5 else rng.random((3, num_log)) * 7
+        weight = torch.from_numpy(values).to(dtype)
+        assert_same(eplb.replicate_experts(weight, num_phy), ref.replicate_experts(weight, num_phy))
+
+
+def test_replicate_experts_large_int_loads_divide_in_float32():
+    weight = torch.tensor([[2**40 + 1, 2**40, 3 * 2**39]])
+    assert_same(eplb.replicate_experts(weight, 7), ref.replicate_experts(weight, 7))
+
+
+def test_rebalance_experts_hierarchical_matches_oracle():
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        weight, num_replicas, num_groups, num_nodes, num_gpus = random_problem(rng)
+        if num_groups % num_nodes:
+            continue
+        weight = weight.float()
+        assert_same(eplb.rebalance_experts_hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus),
+                    ref.rebalance_experts_hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus))
+
+
+def test_helpers_reject_half_precision():
+    with pytest.raises(TypeError, match="weight"):
+        eplb.balanced_packing(torch.ones(2, 4, dtype=torch.float16), 2)
+    with pytest.raises(TypeError, match="weight"):
+        eplb.rebalance_experts_hierarchical(torch.ones(2, 4, dtype=torch.float64), 4, 2, 1, 2)
+
+
+# --- invariants ------------------------------------------------------------------------------------------
+
+
+def check_invariants(weight, outputs, num_replicas, num_groups, num_nodes, num_gpus, hierarchical):
+    phy2log, log2phy, logcnt = outputs
+    num_layers, num_logical = weight.shape
+    assert phy2log.shape == (num_layers, num_replicas) and logcnt.shape == (num_layers, num_logical)
+    assert (logcnt >= 1).all() and (logcnt.sum(-1) == num_replicas).all()
+    assert log2phy.shape == (num_layers, num_logical, int(logcnt.max()))
+    for layer in range(num_layers):
+        counts = torch.bincount(phy2log[layer], minlength=num_logical)
+        assert torch.equal(counts, logcnt[layer])
+        for expert in range(num_logical):
+            slots = log2phy[layer, expert]
+            live = slots[: int(logcnt[layer, expert])]
+            assert (slots[int(logcnt[layer, expert]):] == -1).all()
+            assert sorted(live.tolist()) == sorted(torch.nonzero(phy2log[layer] == expert).flatten().tolist())
+        if hierarchical:  # every group lives on one node
+            slots_per_node = num_replicas // num_nodes
+            group_size = num_logical // num_groups
+            node_of_slot = torch.arange(num_replicas) // slots_per_node
+            for group in range(num_groups):
+                members = (phy2log[layer] // group_size) == group
+                assert node_of_slot[members].unique().numel() == 1
+
+
+@pytest.mark.parametrize("mode", ["torch", "stable", "refine", "avoid", "refine+avoid"])
+def test_invariants_all_modes(mode):
+    rng = np.random.default_rng(11)
+    for _ in range(120):
+        weight, num_replicas, num_groups, num_nodes, num_gpus = random_problem(rng)
+        outputs = eplb.rebalance_experts(
+            weight, num_replicas, num_groups, num_nodes, num_gpus, tie_break="stable" if mode == "stable" else "torch",
+            refine="refine" in mode, avoid_gpu_duplicates="avoid" in mode)
+        hierarchical = num_groups % num_nodes == 0
+        check_invariants(weight, outputs, num_replicas, num_groups, num_nodes, num_gpus, hierarchical)
+
+
+def test_refine_never_worse_and_keeps_replication():
+    rng = np.random.default_rng(12)
+    for _ in range(150):
+        weight, num_replicas, num_groups, num_nodes, num_gpus = random_problem(rng)
+        base = eplb.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+        refined = eplb.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, refine=True)
+        assert torch.equal(base[2], refined[2])
+        before = eplb.gpu_loads(weight, base[0], base[2], num_gpus).max(-1)
+        after = eplb.gpu_loads(weight, refined[0], refined[2], num_gpus).max(-1)
+        assert (after <= before + 1e-9 * np.maximum(before, 1)).all()
+
+
+def test_refine_improves_skewed_loads():
+    weight = torch.from_numpy(np.random.default_rng(0).lognormal(0, 1, size=(8, 256)).astype(np.float32))
+    base = eplb.rebalance_experts(weight, 320, 1, 1, 64)
+    refined = eplb.rebalance_experts(weight, 320, 1, 1, 64, refine=True)
+    assert eplb.balancedness(weight, refined[0], refined[2], 64) < eplb.balancedness(weight, base[0], base[2], 64)
+
+
+def duplicates_per_gpu(phy2log, num_gpus):
+    per_gpu = phy2log.reshape(phy2log.shape[0], num_gpus, -1)
+    return sum(len(row) - len(set(row)) for layer in per_gpu.tolist() for row in layer)
+
+
+def test_avoid_gpu_duplicates():
+    weight = torch.tensor([[100.0, 100, 1, 1, 1, 1, 1, 1]])  # experts 0 and 1: 5 replicas each, 8 GPUs
+    base = eplb.rebalance_experts(weight, 16, 1, 1, 8)
+    assert duplicates_per_gpu(base[0], 8) > 0  # upstream stacks replicas of expert 0
+    avoided = eplb.rebalance_experts(weight, 16, 1, 1, 8, avoid_gpu_duplicates=True)
+    assert duplicates_per_gpu(avoided[0], 8) == 0
+    assert torch.equal(base[2], avoided[2])
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_avoid_gpu_duplicates_random_feasible_cases(refine):
+    rng = np.random.default_rng(21)
+    checked = 0
+    for _ in range(300):
+        weight, num_replicas, num_groups, num_nodes, num_gpus = random_problem(rng, max_layers=3)
+        nodes = num_nodes if num_groups % num_nodes == 0 else 1
+        placed = eplb.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus,
+                                        avoid_gpu_duplicates=True, refine=refine)
+        if int(placed[2].max()) <= num_gpus // nodes:  # feasible: replicas can sit on distinct GPUs
+            assert duplicates_per_gpu(placed[0], num_gpus) == 0
+            checked += 1
+    assert checked > 100
+
+
+def test_previous_phy2log_keeps_slots():
+    rng = np.random.default_rng(13)
+    weight = torch.from_numpy(rng.lognormal(0, 1, size=(4, 64)).astype(np.float32))
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(weight, 96, 8, 2, 16)
+    # The same answer as previous placement: nothing moves.
+    again = eplb.rebalance_experts(weight, 96, 8, 2, 16, previous_phy2log=phy2log)
+    assert_same(again, (phy2log, log2phy, logcnt))
+    # Previous placement = each GPU's slots reversed: all experts keep their previous slot.
+    previous = phy2log.reshape(4, 16, 6).flip(-1).reshape(4, 96)
+    kept = eplb.rebalance_experts(weight, 96, 8, 2, 16, previous_phy2log=previous)
+    assert torch.equal(kept[0], previous) and eplb.count_moved(previous, kept[0]) == 0
+    check_invariants(weight, kept, 96, 8, 2, 16, True)
+    # Previous placement = the GPUs of each node in another order (8 GPUs per node): nothing moves.
+    gpu_order = torch.tensor([1, 0, 3, 2, 7, 6, 5, 4, 9, 8, 15, 10, 11, 12, 13, 14])
+    permuted = phy2log.reshape(4, 16, 6)[:, gpu_order].reshape(4, 96)
+    relabeled = eplb.rebalance_experts(weight, 96, 8, 2, 16, previous_phy2log=permuted)
+    assert torch.equal(relabeled[0], permuted)
+    check_invariants(weight, relabeled, 96, 8, 2, 16, True)
+    # Drifted loads: fewer moves than ignoring the previous placement.
+    drifted = weight * torch.from_numpy(rng.uniform(0.8, 1.25, size=weight.shape).astype(np.float32))
+    fresh = eplb.rebalance_experts(drifted, 96, 8, 2, 16)
+    minimal = eplb.rebalance_experts(drifted, 96, 8, 2, 16, previous_phy2log=previous)
+    assert eplb.count_moved(previous, minimal[0]) <= eplb.count_moved(previous, fresh[0])
+    check_invariants(drifted, minimal, 96, 8, 2, 16, True)
+
+
+def test_thread_count_does_not_change_result():
+    weight = random_loads(np.random.default_rng(2), "small_ints", (64, 256))
+    for mode in ({}, {"tie_break": "stable"}, {"refine": True}):
+        one = eplb.rebalance_experts(weight, 320, 8, 4, 64, num_threads=1, **mode)
+        assert_same(eplb.rebalance_experts(weight, 320, 8, 4, 64, num_threads=3, **mode), one)
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "weight, args, name",
+    [
+        (torch.ones(12), (16, 4, 2, 8), "weight"),
+        (torch.ones(2, 3, 4), (16, 4, 2, 8), "weight"),
+        (torch.ones(0, 12), (16, 4, 2, 8), "weight"),
+        (torch.ones(2, 0), (16, 4, 2, 8), "weight"),
+        (torch.ones(2, 12), (8, 4, 2, 8), "num_replicas"),
+        (torch.ones(2, 12), (18, 4, 2, 8), "num_replicas"),
+        (torch.ones(2, 12), (20, 4, 1, 8), "num_replicas"),
+        (torch.ones(2, 12), (16, 5, 1, 8), "num_groups"),
+        (torch.ones(2, 12), (14, 4, 2, 7), "num_gpus"),
+        (torch.ones(2, 12), (16, 0, 2, 8), "num_groups"),
+        (torch.ones(2, 12), (16, 4, 0, 8), "num_nodes"),
+        (torch.ones(2, 12), (16, 4, 2, 0), "num_gpus"),
+        (torch.ones(2, 12), (0, 4, 2, 8), "num_replicas"),
+        (torch.ones(2, 12), (-16, 4, 2, 8), "num_replicas"),
+        (torch.ones(2, 12), (16, -4, 2, 8), "num_groups"),
+    ],
+)
+def test_bad_arguments_raise_upstream_assertion(weight, args, name):
+    with pytest.raises(UpstreamAssertionError, match=name) as info:
+        eplb.rebalance_experts(weight, *args)
+    assert isinstance(info.value, AssertionError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 1e39])
+def test_bad_loads_name_layer_and_expert(bad):
+    weight = torch.ones(3, 12, dtype=torch.float64)
+    weight[1, 7] = bad
+    with pytest.raises(ValueError, match=r"layer 1, expert 7"):
+        eplb.rebalance_experts(weight, 16, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"layer 1, expert 7"):
+        eplb.rebalance_experts(weight, 16, 4, 2, 8, tie_break="stable")
+
+
+def test_bad_types():
+    with pytest.raises(TypeError, match="num_replicas"):
+        eplb.rebalance_experts(torch.ones(2, 12), 16.0, 4, 2, 8)
+    with pytest.raises(TypeError, match="weight"):
+        eplb.rebalance_experts("weights", 16, 4, 2, 8)
+    with pytest.raises(ValueError, match="tie_break"):
+        eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, tie_break="random")
+    with pytest.raises(ValueError, match="previous_phy2log"):
+        eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, previous_phy2log=torch.zeros(2, 15, dtype=torch.int64))
+
+
+def test_helpers_reject_nan():
+    weight = torch.ones(2, 6)
+    weight[1, 4] = float("nan")
+    with pytest.raises(ValueError, match="layer 1, expert 4"):
+        eplb.balanced_packing(weight, 2)
+    with pytest.raises(ValueError, match="layer 1, expert 4"):
+        eplb.replicate_experts(weight, 8)
+
+
+def test_helper_bad_arguments():
+    with pytest.raises(AssertionError, match="num_packs"):
+        eplb.balanced_packing(torch.ones(2, 6), 4)
+    with pytest.raises(AssertionError, match="num_phy"):
+        eplb.replicate_experts(torch.ones(2, 6), 4)
+    with pytest.raises(AssertionError, match="num_gpus"):
+        eplb.rebalance_experts_hierarchical(torch.ones(2, 12), 16, 4, 2, 7)
+
+
+def test_native_rejects_bad_orders():
+    from trainfast import _core
+
+    weight = np.ones((2, 4), dtype=np.float32)
+    with pytest.raises(ValueError, match="order"):
+        _core.eplb_balanced_packing(weight, np.zeros((2, 4), dtype=np.int64), 2, 1)
+    with pytest.raises(ValueError, match="order"):
+        _core.eplb_balanced_packing(weight, np.full((2, 4), 9, dtype=np.int64), 2, 1)
+
+
+# --- integration -----------------------------------------------------------------------------------------
+
+
+def test_patch_module_with_deepseek_api():
+    from trainfast.integrations import eplb as integration
+
+    module = types.ModuleType("user_eplb")
+    for name in ("balanced_packing", "replicate_experts", "rebalance_experts_hierarchical", "rebalance_experts"):
+        setattr(module, name, getattr(ref, name))
+    weight = torch.tensor(README_WEIGHT)
+    expected = module.rebalance_experts(weight, 16, 4, 2, 8)
+    patched = integration.patch(module)
+    try:
+        assert "user_eplb.rebalance_experts" in patched
+        assert module.rebalance_experts is not ref.rebalance_experts
+        assert_same(module.rebalance_experts(weight, 16, 4, 2, 8), expected)
+        assert_same(module.balanced_packing(weight, 2), ref.balanced_packing(weight, 2))
+        assert integration.is_patched(module)
+    finally:
+        integration.unpatch(module)
+    assert module.rebalance_experts is ref.rebalance_experts and not integration.is_patched(module)
+
+
+# --- torch.library custom op -------------------------------------------------------------------------------
+
+
+def test_custom_op_matches_and_passes_opcheck():
+    weight = torch.tensor(README_WEIGHT, dtype=torch.float32)
+    op = torch.ops.trainfast.rebalance_experts
+    assert_same(op(weight, 16, 4, 2, 8), eplb.rebalance_experts(weight, 16, 4, 2, 8))
+    result = torch.library.opcheck(op.default, (weight, 16, 4, 2, 8))
+    assert all(value == "SUCCESS" for value in result.values()), result
+
+
+def test_custom_op_under_torch_compile():
+    weight = torch.tensor(README_WEIGHT, dtype=torch.float32)
+    compiled = torch.compile(lambda w: torch.ops.trainfast.rebalance_experts(w, 16, 4, 2, 8), fullgraph=True,
+                             backend="aot_eager")
+    assert_same(compiled(weight), eplb.rebalance_experts(weight, 16, 4, 2, 8))
+
+
+# --- CLI -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".csv", ".pt"])
+def test_cli_reads_loads_files(tmp_path, suffix, capsys):
+    from trainfast.cli import main
+
+    loads = np.random.default_rng(0).integers(0, 100, size=(3, 16))
+    path = tmp_path / f"loads{suffix}"
+    if suffix == ".npy":
+        np.save(path, loads)
+    elif suffix == ".csv":
+        np.savetxt(path, loads, delimiter=",")
+    else:
+        torch.save(torch.from_numpy(loads), path)
+    out_path = tmp_path / "placement.pt"
+    assert main(["eplb", str(path), "--gpus", "4", "--nodes", "2", "--groups", "4", "--refine",
+                 "--save", str(out_path)]) == 0
+    assert "max/mean GPU load" in capsys.readouterr().out
+    saved = torch.load(out_path, weights_only=True)
+    assert_same((saved["phy2log"], saved["log2phy"], saved["logcnt"]),
+                eplb.rebalance_experts(torch.from_numpy(loads).float(), 20, 4, 2, 4))
+
+
+def test_cli_bad_arguments_exit_2(tmp_path):
+    from trainfast.cli import main
+
+    path = tmp_path / "loads.npy"
+    np.save(path, np.ones((2, 16)))
+    assert main(["eplb", str(path), "--gpus", "7", "--nodes", "2"]) == 2
+    assert main(["eplb", str(tmp_path / "loads.json")]) == 2
+
+
+def test_cli_plot(tmp_path):
+    from trainfast.cli import main
+
+    path, png = tmp_path / "loads.npy", tmp_path / "loads.png"
+    np.save(path, np.random.default_rng(1).integers(0, 100, size=(2, 16)))
+    code = main(["eplb", str(path), "--gpus", "4", "--nodes", "2", "--groups", "4", "--refine", "--plot", str(png)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 2 and not png.exists()  # optional dependency missing: a clear error, no crash
+    else:
+        assert code == 0 and png.stat().st_size > 0
