@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainfast import buckets, checkpoint, pipeline
+from trainfast import buckets, checkpoint, eplb, pipeline
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,21 @@ CASES: list[Case] = [
     Case("pipeline.PipelineLayout.from_str", "malformed string", lambda: pipeline.PipelineLayout.from_str("Et|(tt|L", 2), ValueError, "unbalanced"),
     Case("pipeline.PipelineLayout.from_str", "malformed string", lambda: pipeline.PipelineLayout.from_str("Et|tx|tL", 3), ValueError, "invalid layer character 'x'"),
     Case("pipeline.PipelineLayout.from_str", "malformed string", lambda: pipeline.PipelineLayout.from_str("tE|tt|tL", 3), ValueError, "embedding"),
+    # --- eplb --------------------------------------------------------------------------------------------
+    Case("eplb.rebalance_experts", "wrong type", lambda: eplb.rebalance_experts("weights", 16, 4, 2, 8), TypeError, "weight"),
+    Case("eplb.rebalance_experts", "wrong ndim/shape", lambda: eplb.rebalance_experts(torch.ones(12), 16, 4, 2, 8), AssertionError, "weight"),
+    Case("eplb.rebalance_experts", "empty", lambda: eplb.rebalance_experts(torch.ones(0, 12), 16, 4, 2, 8), AssertionError, "weight"),
+    Case("eplb.rebalance_experts", "zero", lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 0, 8), AssertionError, "num_nodes"),
+    Case("eplb.rebalance_experts", "negative", lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, -8), AssertionError, "num_gpus"),
+    Case("eplb.rebalance_experts", "indivisible sizes", lambda: eplb.rebalance_experts(torch.ones(2, 12), 15, 4, 2, 8), AssertionError, "num_replicas"),
+    Case("eplb.rebalance_experts", "indivisible sizes", lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 8, 2, 8), AssertionError, "num_groups"),
+    Case("eplb.rebalance_experts", "wrong value", lambda: eplb.rebalance_experts(torch.ones(2, 12), 8, 4, 2, 8), AssertionError, "num_replicas"),
+    Case("eplb.rebalance_experts", "NaN/inf", lambda: eplb.rebalance_experts(torch.tensor([[1.0, float("nan")]] * 2), 4, 1, 1, 2), ValueError, "layer"),
+    Case("eplb.rebalance_experts", "negative", lambda: eplb.rebalance_experts(torch.tensor([[1.0, -2.0]] * 2), 4, 1, 1, 2), ValueError, "layer"),
+    Case("eplb.rebalance_experts", "wrong dtype", lambda: eplb.rebalance_experts(torch.ones(2, 4, dtype=torch.complex64), 4, 1, 1, 2), (ValueError, TypeError), "weight"),
+    Case("eplb.rebalance_experts", "malformed string", lambda: eplb.rebalance_experts(torch.ones(2, 4), 4, 1, 1, 2, tie_break="random"), ValueError, "tie_break"),
+    Case("eplb.balanced_packing", "indivisible sizes", lambda: eplb.balanced_packing(torch.ones(2, 5), 2), AssertionError, "num_packs"),
+    Case("eplb.replicate_experts", "wrong value", lambda: eplb.replicate_experts(torch.ones(2, 5), 3), AssertionError, "num_phy"),
     # --- CLI --------------------------------------------------------------------------------------------
     Case("trainfast checkpoint (CLI)", "zero", lambda: _cli("checkpoint", "--bins", "0"), ValueError, "bins"),
     Case("trainfast pipeline (CLI)", "malformed string", lambda: _cli("pipeline", "--method", "layout", "--layout", "E((t|L", "--pp", "2"), ValueError, "unbalanced"),
@@ -138,6 +153,17 @@ ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
     ("pipeline.balanced_layout", "requires_grad tensor",
      lambda: pipeline.balanced_layout(torch.ones(8, requires_grad=True), 2, 2)[1],
      lambda: pipeline.balanced_layout([1.0] * 8, 2, 2)[1]),
+]
+ACCEPTED += [
+    ("eplb.rebalance_experts", "non-contiguous/strided tensor",
+     lambda: eplb.rebalance_experts(torch.arange(48.0).reshape(4, 12)[::2], 16, 4, 2, 8)[0].tolist(),
+     lambda: eplb.rebalance_experts(torch.arange(48.0).reshape(4, 12)[::2].contiguous(), 16, 4, 2, 8)[0].tolist()),
+    ("eplb.rebalance_experts", "requires_grad tensor",
+     lambda: eplb.rebalance_experts(torch.ones(2, 12, requires_grad=True), 16, 4, 2, 8)[0].tolist(),
+     lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8)[0].tolist()),
+    ("eplb.rebalance_experts", "integer counts",
+     lambda: eplb.rebalance_experts(torch.arange(24).reshape(2, 12), 16, 4, 2, 8)[0].tolist(),
+     lambda: eplb.rebalance_experts(torch.arange(24.0).reshape(2, 12), 16, 4, 2, 8)[0].tolist()),
 ]
 if torch.cuda.is_available():  # pragma: no cover - no GPU in CI
     ACCEPTED.append(("pipeline.balanced_layout", "non-CPU tensor",

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from trainfast import buckets, checkpoint
+from trainfast import buckets, checkpoint, eplb
 
 
 def _checkpoint_call():
@@ -28,9 +28,26 @@ def _buckets_call(num_threads=None):
     return tuple(t.tolist() for t in buckets.shard_ranges(layout, 64, num_threads=num_threads))
 
 
-CALLS = {"checkpoint.assign_bins": _checkpoint_call, "buckets.shard_ranges": _buckets_call}
+def _eplb_call(num_threads=None, tie_break="torch"):
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randint(0, 50, (58, 256), generator=generator)
+    out = eplb.rebalance_experts(weight, 288, 8, 4, 32, tie_break=tie_break, num_threads=num_threads)
+    return tuple(t.tolist() for t in out)
+
+
+CALLS = {
+    "checkpoint.assign_bins": _checkpoint_call,
+    "buckets.shard_ranges": _buckets_call,
+    "eplb.rebalance_experts": _eplb_call,
+}
 # Kernels with a num_threads argument: same answer for any thread count.
-THREADED_CALLS = {"buckets.shard_ranges": _buckets_call}
+THREADED_CALLS = {
+    "buckets.shard_ranges": _buckets_call,
+    "eplb.rebalance_experts": _eplb_call,
+    "eplb.rebalance_experts(stable)": lambda num_threads=None: _eplb_call(num_threads, "stable"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(THREADED_CALLS))
