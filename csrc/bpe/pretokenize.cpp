@@ -53,7 +53,7 @@ struct CharInfo {
 
 // Decodes the character at s[i] (i < n) leniently: input is UTF-8 with surrogates allowed; a
 // truncated or stray byte counts as one U+FFFD-like "other" character, so scanning stays in bounds.
-inline char32_t decode_at(const uint8_t* s, size_t i, size_t n, uint32_t* len) {
+[[gnu::always_inline]] inline char32_t decode_at(const uint8_t* s, size_t i, size_t n, uint32_t* len) {
   const uint8_t b = s[i];
   if (b < 0x80) {
     *len = 1;
@@ -76,7 +76,7 @@ inline char32_t decode_at(const uint8_t* s, size_t i, size_t n, uint32_t* len) {
   return 0xFFFD;
 }
 
-inline CharInfo char_at(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline CharInfo char_at(const uint8_t* s, size_t i, size_t n) {
   const uint8_t b = s[i];
   if (b < 0x80) return {static_cast<CharClass>(kAscii.cls[b]), 1};
   uint32_t len;
@@ -87,7 +87,7 @@ inline CharInfo char_at(const uint8_t* s, size_t i, size_t n) {
 inline bool in(uint32_t mask, CharClass c) { return (mask >> c) & 1u; }
 
 // End of the maximal run of characters whose class is in `mask`, starting at i.
-inline size_t run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
+[[gnu::always_inline]] inline size_t run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
   while (i < n) {
     const uint8_t b = s[i];
     if (b < 0x80) {
@@ -99,6 +99,14 @@ inline size_t run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
       i += c.len;
     }
   }
+  return i;
+}
+
+// run_end for a run that starts with an ASCII character of `ascii_class`: a tight loop while the
+// run stays ASCII (the common case), then the general one.
+[[gnu::always_inline]] inline size_t ascii_run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
+  while (i < n && s[i] < 0x80 && in(mask, static_cast<CharClass>(kAscii.cls[s[i]]))) ++i;
+  if (i < n && s[i] >= 0x80) return run_end(s, i, n, mask);
   return i;
 }
 
@@ -134,7 +142,7 @@ struct SpaceRun {
   size_t newline_end;
 };
 
-inline SpaceRun space_run(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline SpaceRun space_run(const uint8_t* s, size_t i, size_t n) {
   SpaceRun run{i, i, 0, kNone};
   while (run.end < n) {
     const CharInfo c = char_at(s, run.end, n);
@@ -147,14 +155,14 @@ inline SpaceRun space_run(const uint8_t* s, size_t i, size_t n) {
   return run;
 }
 
-inline uint32_t group_mask(CharClass c) {
+[[gnu::always_inline]] inline uint32_t group_mask(CharClass c) {
   if (in(kLetterMask, c)) return kLetterMask;
   if (c == kNumber) return kNumberMask;
   return kOtherMask;
 }
 
 // '(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
   const uint8_t c = s[i];
   if (c == '\'' && i + 1 < n) {  // contractions: ASCII lower case only
     const uint8_t c1 = s[i + 1];
@@ -165,11 +173,11 @@ size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
     }
   }
   const CharInfo first = char_at(s, i, n);
-  if (first.cls != kSpace) return run_end(s, i + first.len, n, group_mask(first.cls));
+  if (first.cls != kSpace) return ascii_run_end(s, i + first.len, n, group_mask(first.cls));
   if (c == ' ' && i + 1 < n) {
     // Every non-space character is \p{L}, \p{N} or [^\s\p{L}\p{N}]: one of the " ?X+" alternatives.
     const CharInfo next = char_at(s, i + 1, n);
-    if (next.cls != kSpace) return run_end(s, i + 1 + next.len, n, group_mask(next.cls));
+    if (next.cls != kSpace) return ascii_run_end(s, i + 1 + next.len, n, group_mask(next.cls));
   }
   const SpaceRun run = space_run(s, i, n);
   if (run.end == n || run.count == 1) return run.end;  // \s+(?!\S) at the end, else \s+
@@ -188,7 +196,7 @@ inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first
 }
 
 // '(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s
-size_t cl100k_next(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline size_t cl100k_next(const uint8_t* s, size_t i, size_t n) {
   const uint8_t c = s[i];
   if (c == '\'' && i + 1 < n) {
     uint32_t len1;
@@ -201,12 +209,12 @@ size_t cl100k_next(const uint8_t* s, size_t i, size_t n) {
     }
   }
   const CharInfo first = char_at(s, i, n);
-  if (in(kLetterMask, first.cls)) return run_end(s, i + first.len, n, kLetterMask);
+  if (in(kLetterMask, first.cls)) return ascii_run_end(s, i + first.len, n, kLetterMask);
   if (first.cls == kNumber) return numbers_upto3(s, i, n, first.len);
   // [^\r\n\p{L}\p{N}]?+\p{L}++ with the prefix: possessive, so no other split of it is tried.
   if (c != '\r' && c != '\n' && i + first.len < n) {
     const CharInfo next = char_at(s, i + first.len, n);
-    if (in(kLetterMask, next.cls)) return run_end(s, i + first.len + next.len, n, kLetterMask);
+    if (in(kLetterMask, next.cls)) return ascii_run_end(s, i + first.len + next.len, n, kLetterMask);
   }
   size_t other_end = kNone;
   if (in(kOtherMask, first.cls)) {
@@ -267,7 +275,7 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
 
 // [^\r\n\p{L}\p{N}]?[Upper]*[Lower]+C?|[^\r\n\p{L}\p{N}]?[Upper]+[Lower]*C?|\p{N}{1,3}
 // | ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+   (Upper, Lower, C as in tiktoken's o200k)
-size_t o200k_next(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline size_t o200k_next(const uint8_t* s, size_t i, size_t n) {
   const uint8_t c = s[i];
   const CharInfo first = char_at(s, i, n);
   const bool prefixable = c != '\r' && c != '\n' && !in(kLetterMask | kNumberMask, first.cls);
@@ -389,85 +397,94 @@ inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
 
 class CountTable {
  public:
-  CountTable() { slots_.resize(kInitialCapacity); }
+  CountTable() { index_.assign(kInitialCapacity, 0); }
 
-  void add(const uint8_t* key, uint32_t len, int64_t pos, int64_t count = 1) {
+  [[gnu::always_inline]] inline void add(const uint8_t* key, uint32_t len, int64_t pos, int64_t count = 1) {
     const bool short_key = len <= 8;
     const uint64_t word = short_key ? load_upto8(key, len) : 0;
     const uint64_t hash = short_key ? mix(word * 0x9E3779B97F4A7C15ull + len) : hash_long(key, len);
-    size_t mask = slots_.size() - 1;
+    const uint64_t tag = hash >> 32;
+    const size_t mask = index_.size() - 1;
     for (size_t idx = hash & mask;; idx = (idx + 1) & mask) {
-      Slot& slot = slots_[idx];
-      if (slot.count == 0) {
-        slot.hash = hash;
-        slot.len = len;
-        if (short_key) {
-          slot.data = word;
-        } else {
-          slot.data = arena_.size();
-          arena_.insert(arena_.end(), key, key + len);
-        }
-        slot.count = count;
-        slot.first_pos = pos;
-        if (++size_ * 2 > slots_.size()) grow();
+      const uint64_t slot = index_[idx];
+      if (slot == 0) {
+        insert(idx, tag, key, len, word, pos, count);
         return;
       }
-      if (slot.hash == hash && slot.len == len &&
-          (short_key ? slot.data == word : std::memcmp(arena_.data() + slot.data, key, len) == 0)) {
-        slot.count += count;
-        if (pos < slot.first_pos) slot.first_pos = pos;
-        return;
+      if ((slot >> 32) == tag) {
+        Entry& entry = entries_[(slot & 0xFFFFFFFFull) - 1];
+        if (entry.len == len &&
+            (short_key ? entry.data == word : std::memcmp(arena_.data() + entry.data, key, len) == 0)) {
+          entry.count += count;
+          if (pos < entry.first_pos) entry.first_pos = pos;
+          return;
+        }
       }
     }
   }
 
   template <typename Fn>
   void for_each(Fn&& fn) const {
-    for (const Slot& slot : slots_) {
-      if (slot.count == 0) continue;
-      if (slot.len <= 8) {
+    for (const Entry& entry : entries_) {
+      if (entry.len <= 8) {
         uint8_t bytes[8];
-        std::memcpy(bytes, &slot.data, 8);
-        fn(bytes, slot.len, slot.count, slot.first_pos);
+        std::memcpy(bytes, &entry.data, 8);
+        fn(bytes, entry.len, entry.count, entry.first_pos);
       } else {
-        fn(arena_.data() + slot.data, slot.len, slot.count, slot.first_pos);
+        fn(arena_.data() + entry.data, entry.len, entry.count, entry.first_pos);
       }
     }
   }
 
-  size_t size() const { return size_; }
+  size_t size() const { return entries_.size(); }
   void clear() {
-    slots_.assign(kInitialCapacity, Slot{});
-    arena_.clear();
-    arena_.shrink_to_fit();
-    size_ = 0;
+    index_.assign(kInitialCapacity, 0);
+    std::vector<Entry>().swap(entries_);
+    std::vector<uint8_t>().swap(arena_);
   }
 
  private:
-  struct Slot {
-    uint64_t hash = 0;
-    uint64_t data = 0;  // the key bytes (len <= 8) or its arena offset
-    int64_t count = 0;  // 0: empty slot
-    int64_t first_pos = 0;
-    uint32_t len = 0;
+  struct Entry {
+    uint64_t data;  // the key bytes (len <= 8, zero padded) or the key's arena offset
+    uint32_t len;
+    uint32_t tag;   // high hash bits, to rebuild the index
+    int64_t count;
+    int64_t first_pos;
   };
   static constexpr size_t kInitialCapacity = 1 << 12;
+  static constexpr size_t kMaxEntries = 0xFFFFFFFEull;
 
-  void grow() {
-    std::vector<Slot> old(slots_.size() * 2);
-    old.swap(slots_);
-    const size_t mask = slots_.size() - 1;
-    for (const Slot& slot : old) {
-      if (slot.count == 0) continue;
-      size_t idx = slot.hash & mask;
-      while (slots_[idx].count != 0) idx = (idx + 1) & mask;
-      slots_[idx] = slot;
+  [[gnu::noinline]] void insert(size_t idx, uint64_t tag, const uint8_t* key, uint32_t len, uint64_t word,
+                                int64_t pos, int64_t count) {
+    if (entries_.size() >= kMaxEntries) throw std::length_error("more than 2^32 - 2 unique pre-tokens");
+    Entry entry{word, len, static_cast<uint32_t>(tag), count, pos};
+    if (len > 8) {
+      entry.data = arena_.size();
+      arena_.insert(arena_.end(), key, key + len);
     }
+    entries_.push_back(entry);
+    index_[idx] = (tag << 32) | entries_.size();
+    if (entries_.size() * 2 > index_.size()) grow();
   }
 
-  std::vector<Slot> slots_;
+  void grow() {
+    std::vector<uint64_t> bigger(index_.size() * 2, 0);
+    const size_t mask = bigger.size() - 1;
+    for (uint64_t slot : index_) {
+      if (slot == 0) continue;
+      const Entry& entry = entries_[(slot & 0xFFFFFFFFull) - 1];
+      const uint64_t hash = entry.len <= 8 ? mix(entry.data * 0x9E3779B97F4A7C15ull + entry.len)
+                                           : hash_long(arena_.data() + entry.data, entry.len);
+      size_t idx = hash & mask;
+      while (bigger[idx] != 0) idx = (idx + 1) & mask;
+      bigger[idx] = slot;
+    }
+    index_.swap(bigger);
+  }
+
+  std::vector<uint64_t> index_;  // (hash tag << 32) | (entry index + 1); 0 = empty
+  std::vector<Entry> entries_;
   std::vector<uint8_t> arena_;
-  size_t size_ = 0;
 };
 
 // Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
