@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import inspect
+import itertools
 import lzma
 import os
 import random
@@ -255,11 +256,10 @@ CORPORA = ["austen", "kjv", "multilingual", pytest.param("gcide", marks=pytest.m
 @pytest.mark.parametrize("name", NAMES)
 def test_full_corpus_equals_regex(shared_dir, tmp_path_factory, corpus, name):
     path, text = _corpus_file(shared_dir, tmp_path_factory, corpus)
-    ends = array.array("q")
-    counts: Counter = Counter()
-    for match in regex.finditer(PATTERNS[name], text):  # one pass: offsets and counts
-        ends.append(match.end())
-        counts[match.group().encode("utf-8")] += 1
+    tokens = regex.findall(PATTERNS[name], text)
+    ends = array.array("q", itertools.accumulate(map(len, tokens)))
+    counts = Counter(map(str.encode, tokens))
+    del tokens
     got_ends = _core.bpe_pretokenize_ends(text, NATIVE_ID[name])
     assert got_ends.tobytes() == ends.tobytes()
     for num_threads in (1, 2, 7):
@@ -366,3 +366,28 @@ def test_progress_reporting(tmp_path, caplog):
     with caplog.at_level("INFO", logger="trainfast.bpe"):
         assert count_pretokens(path, show_progress=True) == count_pretokens(path)
     assert any("pre-tokenized" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("errors", ["strict", "replace", "ignore"])
+@pytest.mark.parametrize("dirt", [b"\r", b"\r\n", b"\xe9", b"\xe2\x82", b"<|e|>\r"])
+def test_file_turning_unclean_midway(tmp_path, errors, dirt):
+    # Clean blocks are counted in place (memory-mapped); decoding takes over from the first unclean one.
+    rng = random.Random(len(dirt))
+    lines = ["".join(rng.choice(HARD[:40] + ["word", " the", "<|e|>"]) for _ in range(30)) for _ in range(200)]
+    data = "\n".join(lines).encode("utf-8", "surrogatepass") + b" x" + dirt + b"tail\r"
+    data += "\n".join(lines[:50]).encode("utf-8")
+    path = tmp_path / "doc.txt"
+    path.write_bytes(data)
+    for block_bytes, chunk_bytes in [(64, 16), (1000, 1), (1 << 20, 1 << 20)]:
+        counter = _core.BpePretokenCounter(1, ["<|e|>"], ["strict", "replace", "ignore"].index(errors), 2,
+                                           chunk_bytes=chunk_bytes, block_bytes=block_bytes)
+        try:
+            expected_text = ref.read_text(path, errors)
+        except UnicodeDecodeError as error:
+            with pytest.raises(ValueError, match=f"byte offset {error.start}:"):
+                counter.add_file(str(path))
+            continue
+        counter.add_file(str(path))
+        got = counter.finish()
+        expected = ref.count_pretokens([expected_text], "cl100k", ["<|e|>"])
+        assert got == expected and list(got) == list(expected)
