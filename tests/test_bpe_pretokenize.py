@@ -391,3 +391,14 @@ def test_file_turning_unclean_midway(tmp_path, errors, dirt):
         got = counter.finish()
         expected = ref.count_pretokens([expected_text], "cl100k", ["<|e|>"])
         assert got == expected and list(got) == list(expected)
+
+
+def test_cli_pretokenize(tmp_path, capsys):
+    from trainfast.cli import main
+
+    path = tmp_path / "doc.txt"
+    path.write_text("the cat<|endoftext|> the dog the end\n")
+    assert main(["pretokenize", str(path), "--special-token", "<|endoftext|>", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "7 pre-tokens, 6 unique" in out and "b' the'" in out
+    assert main(["pretokenize", str(tmp_path / "missing.txt")]) == 2
