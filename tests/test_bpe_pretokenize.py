@@ -100,7 +100,12 @@ def test_pattern_aliases_and_strings():
         assert pretokenize(text, pattern=regex.compile(PATTERNS[name])) == ref.pretokenize(text, name)
 
 
-def test_custom_pattern_falls_back_to_regex():
+def test_custom_pattern_falls_back_to_regex(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_bytes(b"a b<|e|>\r\nb\xff")
+    assert count_pretokens(path, pattern=r"\S+|\s+", special_tokens=["<|e|>"], errors="replace") == {
+        b"a": 1, b" ": 1, b"b": 1, b"\n": 1, b"b\xef\xbf\xbd": 1}
+    assert count_pretokens([b"x\r\ny"], pattern=r"\S+|\s+") == {b"x": 1, b"\n": 1, b"y": 1}
     text = "abc 123 def"
     assert pretokenize(text, pattern=r"\d+|\w+") == ["abc", "123", "def"]
     assert count_pretokens([text], pattern=r"\S+") == {b"abc": 1, b"123": 1, b"def": 1}

@@ -318,7 +318,7 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
 }
 
 template <Pattern P>
-inline size_t next_end(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline size_t next_end(const uint8_t* s, size_t i, size_t n) {
   if constexpr (P == Pattern::kGpt2) return gpt2_next(s, i, n);
   if constexpr (P == Pattern::kCl100k) return cl100k_next(s, i, n);
   if constexpr (P == Pattern::kO200k) return o200k_next(s, i, n);
@@ -495,7 +495,7 @@ class CountTable {
     int64_t count;
     int64_t first_pos;
   };
-  static constexpr size_t kInitialCapacity = 1 << 12;
+  static constexpr size_t kInitialCapacity = 1 << 14;
   static constexpr size_t kMaxEntries = 0xFFFFFFFEull;
 
   [[gnu::noinline]] void insert(size_t idx, uint64_t tag, const uint8_t* key, uint32_t len, uint64_t word,
