@@ -1079,32 +1079,57 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
 
 PretokenCounts PretokenCounter::finish() {
   Impl& impl = *impl_;
-  CountTable& merged = impl.tables[0];
+  // Merge every table into the largest one (fewest insertions).
+  size_t largest = 0;
   for (size_t w = 1; w < impl.tables.size(); ++w) {
+    if (impl.tables[w].size() > impl.tables[largest].size()) largest = w;
+  }
+  CountTable& merged = impl.tables[largest];
+  for (size_t w = 0; w < impl.tables.size(); ++w) {
+    if (w == largest) continue;
+    // Batched like counting: prefetch index slots, then entries, then add.
+    constexpr int kBatch = 16;
+    CountTable::Key keys[kBatch];
+    int64_t positions[kBatch], counts[kBatch];
+    uint8_t short_keys[kBatch][8];
+    int m = 0;
+    auto flush = [&] {
+      for (int k = 0; k < m; ++k) merged.prefetch_entry(keys[k]);
+      for (int k = 0; k < m; ++k) merged.add(keys[k], positions[k], counts[k]);
+      m = 0;
+    };
     impl.tables[w].for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t pos) {
-      merged.add(key, len, pos, count);
+      if (len <= 8) {  // for_each hands short keys in a temporary buffer
+        std::memcpy(short_keys[m], key, len);
+        key = short_keys[m];
+      }
+      keys[m] = CountTable::make_key(key, len);
+      positions[m] = pos;
+      counts[m] = count;
+      merged.prefetch_slot(keys[m]);
+      if (++m == kBatch) flush();
     });
+    flush();
     impl.tables[w].clear();
   }
-  struct Entry {
-    int64_t pos;
-    std::string key;
-    int64_t count;
-  };
-  std::vector<Entry> entries;
-  entries.reserve(merged.size());
-  merged.for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t pos) {
-    entries.push_back({pos, std::string(reinterpret_cast<const char*>(key), len), count});
+  // First-occurrence order: positions are unique, so the order does not depend on the threads.
+  std::vector<std::pair<int64_t, uint32_t>> order;
+  order.reserve(merged.size());
+  uint32_t idx = 0;
+  merged.for_each([&](const uint8_t*, uint32_t, int64_t, int64_t pos) { order.emplace_back(pos, idx++); });
+  std::sort(order.begin(), order.end());
+  PretokenCounts out;
+  out.pretokens.resize(order.size());
+  out.counts.resize(order.size());
+  std::vector<uint32_t> rank(order.size());
+  for (size_t k = 0; k < order.size(); ++k) rank[order[k].second] = static_cast<uint32_t>(k);
+  idx = 0;
+  merged.for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t) {
+    const uint32_t k = rank[idx++];
+    out.pretokens[k].assign(reinterpret_cast<const char*>(key), len);
+    out.counts[k] = count;
   });
   merged.clear();
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.pos < b.pos; });
-  PretokenCounts out;
-  out.pretokens.reserve(entries.size());
-  out.counts.reserve(entries.size());
-  for (auto& entry : entries) {
-    out.pretokens.push_back(std::move(entry.key));
-    out.counts.push_back(entry.count);
-  }
   impl.stream_pos = 0;
   return out;
 }
