@@ -407,3 +407,25 @@ def test_cli_pretokenize(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "7 pre-tokens, 6 unique" in out and "b' the'" in out
     assert main(["pretokenize", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_ctrl_c_stops_counting(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 3_000_000)  # 132 MB
+    script = (
+        "import os, signal, threading, sys\n"
+        "from trainfast.bpe import count_pretokens\n"
+        "threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "try:\n"
+        "    count_pretokens(sys.argv[1], num_threads=2)\n"
+        "    print('finished')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.stdout.strip() == "interrupted", out.stderr
