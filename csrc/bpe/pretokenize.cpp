@@ -801,6 +801,7 @@ struct PretokenCounter::Impl {
       int m = 0;
       for (; m < kBatch && i < n; ++m) {
         const size_t e = next_end<P>(s, i, n);
+        if (e - i > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
         keys[m] = CountTable::make_key(s + i, static_cast<uint32_t>(e - i));
         starts[m] = pos + static_cast<int64_t>(i);
         table.prefetch_slot(keys[m]);
