@@ -420,6 +420,9 @@ class CountTable {
  public:
   CountTable() { index_.assign(kInitialCapacity, 0); }
 
+  // A key's home slot: the top bits of its tag, so growing needs only the index (no rehashing).
+  [[gnu::always_inline]] inline size_t home(uint64_t hash) const { return static_cast<uint32_t>(hash >> 32) >> shift_; }
+
   // A key with its hash, computed ahead so its slots can be prefetched.
   struct Key {
     const uint8_t* data;
@@ -436,10 +439,10 @@ class CountTable {
 
   // Pulls the key's first index slot, then (once that is cached) its entry, toward the cache.
   [[gnu::always_inline]] inline void prefetch_slot(const Key& key) const {
-    __builtin_prefetch(&index_[key.hash & (index_.size() - 1)]);
+    __builtin_prefetch(&index_[home(key.hash)]);
   }
   [[gnu::always_inline]] inline void prefetch_entry(const Key& key) const {
-    const uint64_t slot = index_[key.hash & (index_.size() - 1)];
+    const uint64_t slot = index_[home(key.hash)];
     if (slot != 0) __builtin_prefetch(&entries_[(slot & 0xFFFFFFFFull) - 1]);
   }
 
@@ -449,7 +452,7 @@ class CountTable {
     const bool short_key = key.len <= 8;
     const uint64_t tag = key.hash >> 32;
     const size_t mask = index_.size() - 1;
-    for (size_t idx = key.hash & mask;; idx = (idx + 1) & mask) {
+    for (size_t idx = home(key.hash);; idx = (idx + 1) & mask) {
       const uint64_t slot = index_[idx];
       if (slot == 0) {
         insert(idx, tag, key.data, key.len, key.word, pos, count);
@@ -483,6 +486,7 @@ class CountTable {
   size_t size() const { return entries_.size(); }
   void clear() {
     index_.assign(kInitialCapacity, 0);
+    shift_ = 32 - kInitialBits;
     std::vector<Entry>().swap(entries_);
     std::vector<uint8_t>().swap(arena_);
   }
@@ -495,7 +499,8 @@ class CountTable {
     int64_t count;
     int64_t first_pos;
   };
-  static constexpr size_t kInitialCapacity = 1 << 14;
+  static constexpr int kInitialBits = 14;
+  static constexpr size_t kInitialCapacity = size_t{1} << kInitialBits;
   static constexpr size_t kMaxEntries = 0xFFFFFFFEull;
 
   [[gnu::noinline]] void insert(size_t idx, uint64_t tag, const uint8_t* key, uint32_t len, uint64_t word,
@@ -512,14 +517,13 @@ class CountTable {
   }
 
   void grow() {
+    if (shift_ == 0) throw std::length_error("pre-token table is full");
     std::vector<uint64_t> bigger(index_.size() * 2, 0);
     const size_t mask = bigger.size() - 1;
+    --shift_;
     for (uint64_t slot : index_) {
       if (slot == 0) continue;
-      const Entry& entry = entries_[(slot & 0xFFFFFFFFull) - 1];
-      const uint64_t hash = entry.len <= 8 ? short_hash(entry.data, entry.len)
-                                           : hash_long(arena_.data() + entry.data, entry.len);
-      size_t idx = hash & mask;
+      size_t idx = static_cast<uint32_t>(slot >> 32) >> shift_;
       while (bigger[idx] != 0) idx = (idx + 1) & mask;
       bigger[idx] = slot;
     }
@@ -527,6 +531,7 @@ class CountTable {
   }
 
   std::vector<uint64_t> index_;  // (hash tag << 32) | (entry index + 1); 0 = empty
+  int shift_ = 32 - kInitialBits;  // index size is 2^(32 - shift_)
   std::vector<Entry> entries_;
   std::vector<uint8_t> arena_;
 };
