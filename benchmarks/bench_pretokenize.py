@@ -100,7 +100,7 @@ def main() -> None:
         for name in ["gpt2", "cl100k", "o200k"]:
             compiled = regex.compile(PATTERNS[name])
             expected, regex_s, regex_cpu = timed(lambda: Counter(map(str.encode, compiled.findall(prefix))), 1)
-            got_prefix = count_pretokens([prefix], pattern=name, num_threads=1)
+            got_prefix = count_pretokens(iter([prefix]), pattern=name, num_threads=1)
             assert got_prefix == expected, f"{corpus}/{name}: native counts differ from regex"
             _, one_s, one_cpu = timed(lambda: count_pretokens(path, pattern=name, num_threads=1), repeats)
             _, all_s, all_cpu = timed(lambda: count_pretokens(path, pattern=name, num_threads=threads), repeats)

@@ -108,7 +108,7 @@ def test_custom_pattern_falls_back_to_regex(tmp_path):
     assert count_pretokens([b"x\r\ny"], pattern=r"\S+|\s+") == {b"x": 1, b"\n": 1, b"y": 1}
     text = "abc 123 def"
     assert pretokenize(text, pattern=r"\d+|\w+") == ["abc", "123", "def"]
-    assert count_pretokens([text], pattern=r"\S+") == {b"abc": 1, b"123": 1, b"def": 1}
+    assert count_pretokens(iter([text]), pattern=r"\S+") == {b"abc": 1, b"123": 1, b"def": 1}
     assert pretokenize("x<|e|>y z", pattern=r"\S", special_tokens=["<|e|>"]) == ["x", "<|e|>", "y", "z"]
 
 
@@ -150,7 +150,7 @@ def test_longest_special_token_wins():
     assert pretokenize("a<|end|>b", special_tokens=["<|", "<|end|>"]) == ["a", "<|end|>", "b"]
     assert pretokenize("a<|x", special_tokens=["<|", "<|end|>"]) == ["a", "<|", "x"]
     assert pretokenize("aaa", special_tokens=["aa", "a"]) == ["aa", "a"]
-    assert count_pretokens(["x<|endoftext|>y<|endoftext|>x"], special_tokens=["<|endoftext|>"]) == {b"x": 2, b"y": 1}
+    assert count_pretokens(iter(["x<|endoftext|>y<|endoftext|>x"]), special_tokens=["<|endoftext|>"]) == {b"x": 2, b"y": 1}
     assert pretokenize("ab", special_tokens=[]) == ["ab"]
 
 
@@ -222,7 +222,7 @@ def test_results_independent_of_threads_and_ordered_by_first_occurrence():
     rng = random.Random(7)
     docs = ["".join(rng.choice(["the ", "cat ", "sat\n", "on ", "mat. ", "\u4e2d\u6587 ", "12 "]) for _ in range(5000))
             for _ in range(20)]
-    results = [count_pretokens(docs, num_threads=n) for n in (1, 2, 7)]
+    results = [count_pretokens(iter(docs), num_threads=n) for n in (1, 2, 7)]
     expected = ref.count_pretokens(docs)
     for got in results:
         assert got == expected and list(got) == list(expected)
@@ -237,6 +237,9 @@ def test_count_inputs_forms(tmp_path):
     assert count_pretokens(str(a)) == count_pretokens(a) == ref.count_pretokens(["one two\nthree"])
     assert count_pretokens(iter(["x y", b"x\r\ny"])) == {b"x": 2, b" y": 1, b"\n": 1, b"y": 1}
     assert count_pretokens([]) == {}
+    assert count_pretokens([str(a), str(b)]) == both  # a list of str is a list of paths
+    with pytest.raises(FileNotFoundError):
+        count_pretokens(["not a path, a document"])
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     assert count_pretokens(empty) == {}
@@ -316,7 +319,7 @@ def test_bad_pattern():
     with pytest.raises(ValueError, match="unknown pattern name 'gpt3'"):
         pretokenize("x", pattern="gpt3")
     with pytest.raises(ValueError, match="unknown pattern name"):
-        count_pretokens(["x"], pattern="r50k")
+        count_pretokens(iter(["x"]), pattern="r50k")
     with pytest.raises(TypeError, match="pattern must be a str"):
         pretokenize("x", pattern=3)
     with pytest.raises(ValueError, match="pattern is not a valid regular expression"):
@@ -350,7 +353,7 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(TypeError, match="inputs must be"):
         count_pretokens(b"raw bytes")
     with pytest.raises(ValueError, match=r"inputs\[0\] contains a lone surrogate"):
-        count_pretokens(["\ud800"])
+        count_pretokens(iter(["\ud800"]))
     with pytest.raises(TypeError, match="text must be a str"):
         pretokenize(b"bytes")
     with pytest.raises(ValueError, match="errors must be one of"):

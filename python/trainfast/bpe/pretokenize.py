@@ -221,10 +221,10 @@ def count_pretokens(
     in order of first occurrence, and does not depend on ``num_threads``.
 
     Args:
-        inputs: a path (str or ``os.PathLike``), a list/tuple of ``os.PathLike`` paths (e.g.
-            ``pathlib.Path``), or an iterable of documents: ``str`` taken as is, ``bytes`` decoded
-            like a file. (A list of ``str`` is a list of documents, not of paths.) Files and bytes
-            are read like Python's text mode: UTF-8, universal newlines ("\\r\\n", "\\r" -> "\\n").
+        inputs: a path (str or ``os.PathLike``), a list/tuple of paths, or any other iterable of
+            documents: ``str`` taken as is, ``bytes`` decoded like a file. (A list of str is a list
+            of paths: pass documents as e.g. ``iter(texts)``.) Files and bytes are read like
+            Python's text mode: UTF-8, universal newlines ("\\r\\n", "\\r" -> "\\n").
         pattern: ``"gpt2"``, ``"cl100k"``, ``"o200k"`` or another regular expression (slow
             fallback through the ``regex`` package, one thread).
         special_tokens: str tokens split on first (longest wins), not counted.
@@ -246,7 +246,7 @@ def count_pretokens(
     paths: list[str] | None = None
     if _is_path(inputs):
         paths = [os.fspath(inputs)]
-    elif isinstance(inputs, (list, tuple)) and inputs and all(isinstance(item, os.PathLike) for item in inputs):
+    elif isinstance(inputs, (list, tuple)) and all(_is_path(item) for item in inputs):
         paths = [os.fspath(item) for item in inputs]
     elif isinstance(inputs, (bytes, bytearray)):
         raise TypeError("inputs must be a path, a list of paths or an iterable of str/bytes (got a single bytes)")

@@ -72,10 +72,10 @@ def demo() -> None:
     threads = resolve_num_threads(None)
     print(f"pretokenize: counting GPT-2 pre-tokens of {mb:.1f} MB of synthetic English text")
     start = time.perf_counter()
-    native_one = count_pretokens([text], num_threads=1)
+    native_one = count_pretokens(iter([text]), num_threads=1)
     one_s = time.perf_counter() - start
     start = time.perf_counter()
-    native_all = count_pretokens([text], num_threads=threads)
+    native_all = count_pretokens(iter([text]), num_threads=threads)
     all_s = time.perf_counter() - start
     print(f"  native, 1 thread    {one_s * 1e3:8.1f} ms  {mb / one_s:7.1f} MB/s")
     print(f"  native, {threads} threads  {all_s * 1e3:8.1f} ms  {mb / all_s:7.1f} MB/s  "
