@@ -432,3 +432,33 @@ def test_ctrl_c_stops_counting(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.stdout.strip() == "interrupted", out.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_file_blocks_seeded(tmp_path, name):
+    # Files cut into small raw blocks (memory-mapped path): CRLF, invalid bytes and special tokens
+    # near block edges must not change anything.
+    rng = random.Random(5 + NATIVE_ID[name])
+    path = tmp_path / "doc.txt"
+    specials = ["<|e|>", "\n\n"]
+    for trial in range(60):
+        parts = []
+        for _ in range(rng.randrange(1, 60)):
+            roll = rng.random()
+            if roll < 0.6:
+                parts.append(_random_text(rng, 20).encode("utf-8"))
+            else:
+                parts.append(rng.choice([b"\r\n", b"\r", b"\n", b" ", b"<|e|>", b"<|e", b"\xff", b"\xe2\x82", b"\r\r\n"]))
+        data = b"".join(parts)
+        path.write_bytes(data)
+        errors = ["strict", "replace", "ignore"][trial % 3]
+        counter = _core.BpePretokenCounter(NATIVE_ID[name], specials, trial % 3, 1 + trial % 3,
+                                           chunk_bytes=1 + trial % 7, block_bytes=16 + trial % 50)
+        try:
+            expected_text = ref.read_text(path, errors)
+        except UnicodeDecodeError as error:
+            with pytest.raises(ValueError, match=f"byte offset {error.start}:"):
+                counter.add_file(str(path))
+            continue
+        counter.add_file(str(path))
+        assert counter.finish() == ref.count_pretokens([expected_text], name, specials), (trial, data)

@@ -750,6 +750,11 @@ size_t TextDecoder::decode(const uint8_t* raw, size_t n, bool final, int64_t bas
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+bool scan_utf8(const uint8_t* s, size_t n, size_t* num_cr, size_t* num_crlf);
+bool is_clean_utf8(const uint8_t* s, size_t n);
+}  // namespace
+
 struct PretokenCounter::Impl {
   CountOptions options;
   SpecialTokenMatcher specials;
@@ -779,6 +784,82 @@ struct PretokenCounter::Impl {
       case Pattern::kO200k: safe = is_safe_split<Pattern::kO200k>(s, p, n); break;
     }
     return safe && !specials.straddles(std::string_view(reinterpret_cast<const char*>(s), n), p);
+  }
+
+  // A safe cut of the raw file bytes s[0:n) at p that is also one of the decoded text, whatever
+  // the errors mode: besides safe_split's rule, the character before p is valid UTF-8 (so it
+  // decodes to itself, and no invalid sequence reaches p), and with special tokens the bytes
+  // around p that an occurrence covering p-1 and p could use are clean (decode to themselves).
+  bool raw_safe_split(const uint8_t* s, size_t p, size_t n) const {
+    if (p == 0 || p >= n || s[p] >= 0x80) return false;
+    size_t q = p - 1;
+    while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) --q;
+    if (s[q] >= 0x80 && !is_clean_utf8(s + q, p - q)) return false;
+    if (!specials.empty()) {
+      const size_t reach = specials.max_length();
+      size_t lo = p > reach ? p - reach : 0;
+      while (lo > 0 && (s[lo] & 0xC0) == 0x80) --lo;
+      size_t hi = std::min(n, p + reach);
+      while (hi < n && (s[hi] & 0xC0) == 0x80) ++hi;
+      if (!is_clean_utf8(s + lo, hi - lo)) return false;
+    }
+    return safe_split(s, p, n);
+  }
+
+  // Decodes and counts one block of raw file bytes that starts and ends at raw-safe cuts.
+  void count_raw_block(const uint8_t* s, size_t n, int64_t raw_offset, const std::string& name,
+                       std::string& buffer, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
+    // Pieces cut at character starts and never between "\r" and "\n", checked in parallel.
+    const size_t num_pieces = static_cast<size_t>(options.num_threads) * 4;
+    std::vector<size_t> cuts{0};
+    for (size_t k = 1; k < num_pieces; ++k) {
+      size_t c = std::max(cuts.back(), n / num_pieces * k);
+      while (c < n && ((s[c] & 0xC0) == 0x80 || (c > 0 && s[c - 1] == '\r'))) ++c;
+      cuts.push_back(c);
+    }
+    cuts.push_back(n);
+    std::vector<size_t> num_cr(num_pieces, 0), num_crlf(num_pieces, 0);
+    std::vector<uint8_t> valid(num_pieces, 0);
+    run_workers(num_pieces, options.num_threads, interrupt, [&](size_t k, int) {
+      valid[k] = scan_utf8(s + cuts[k], cuts[k + 1] - cuts[k], &num_cr[k], &num_crlf[k]);
+    });
+    const bool all_valid = std::all_of(valid.begin(), valid.end(), [](uint8_t v) { return v != 0; });
+    const size_t total_cr = std::accumulate(num_cr.begin(), num_cr.end(), size_t{0});
+    const uint8_t* text = s;
+    size_t text_size = n;
+    if (!all_valid) {
+      buffer.clear();
+      TextDecoder decoder(options.errors);
+      decoder.decode(s, n, true, raw_offset, name, buffer);
+      text = reinterpret_cast<const uint8_t*>(buffer.data());
+      text_size = buffer.size();
+    } else if (total_cr > 0) {
+      // Universal newlines, each piece into its place: "\r\n" -> "\n", lone "\r" -> "\n".
+      std::vector<size_t> out_starts(num_pieces + 1, 0);
+      for (size_t k = 0; k < num_pieces; ++k) {
+        out_starts[k + 1] = out_starts[k] + (cuts[k + 1] - cuts[k]) - num_crlf[k];
+      }
+      buffer.resize(out_starts[num_pieces]);
+      auto* out = reinterpret_cast<uint8_t*>(buffer.data());
+      run_workers(num_pieces, options.num_threads, interrupt, [&](size_t k, int) {
+        uint8_t* dst = out + out_starts[k];
+        for (size_t i = cuts[k]; i < cuts[k + 1]; ++i) {
+          if (s[i] != '\r') {
+            *dst++ = s[i];
+            continue;
+          }
+          *dst++ = '\n';
+          if (i + 1 < cuts[k + 1] && s[i + 1] == '\n') ++i;
+        }
+      });
+      text = out;
+      text_size = buffer.size();
+    }
+    std::vector<Chunk> chunks;
+    const size_t done = cut(text, text_size, text_size, stream_pos, chunks);
+    if (done < text_size) chunks.push_back({text + done, text_size - done, stream_pos + static_cast<int64_t>(done)});
+    count_chunks(chunks, interrupt, bytes_done);
+    stream_pos += static_cast<int64_t>(text_size);
   }
 
   // Cuts text[0:n) into chunks of about chunk_bytes at safe points before `limit`; returns the
@@ -873,22 +954,24 @@ PretokenCounter::~PretokenCounter() = default;
 
 namespace {
 
-// Valid UTF-8 made of complete characters, without "\r": such text decodes to itself.
-bool is_clean_utf8(const uint8_t* s, size_t n) {
+// Whether s[0:n) is valid UTF-8 made of complete characters; counts its "\r" and "\r\n".
+bool scan_utf8(const uint8_t* s, size_t n, size_t* num_cr, size_t* num_crlf) {
   size_t i = 0;
   while (i < n) {
     if (i + 8 <= n) {
       uint64_t w;
       std::memcpy(&w, s + i, 8);
-      if ((w & 0x8080808080808080ull) == 0) {
-        if (has_zero_byte(w ^ 0x0D0D0D0D0D0D0D0Dull)) return false;
+      if ((w & 0x8080808080808080ull) == 0 && !has_zero_byte(w ^ 0x0D0D0D0D0D0D0D0Dull)) {
         i += 8;
         continue;
       }
     }
     const uint8_t b = s[i];
     if (b < 0x80) {
-      if (b == '\r') return false;
+      if (b == '\r') {
+        ++*num_cr;
+        if (i + 1 < n && s[i + 1] == '\n') ++*num_crlf;
+      }
       ++i;
       continue;
     }
@@ -921,6 +1004,11 @@ bool is_clean_utf8(const uint8_t* s, size_t n) {
   return true;
 }
 
+bool is_clean_utf8(const uint8_t* s, size_t n) {
+  size_t num_cr = 0, num_crlf = 0;
+  return scan_utf8(s, n, &num_cr, &num_crlf) && num_cr == 0;
+}
+
 struct Mapping {
   void* data = MAP_FAILED;
   size_t size = 0;
@@ -945,10 +1033,10 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
   // Lookahead a cut needs: text[p] and any special token that might straddle p.
   const size_t lookahead = std::max<size_t>(1, impl.specials.max_length());
 
-  // Fast path: a memory-mapped regular file, counted in place while it is clean UTF-8 (checked in
-  // parallel, block by block); from the first block that is not, the decoding path below goes on.
+  // A regular file is memory-mapped and cut into blocks at raw-byte points that are safe cuts of
+  // the decoded text too (see raw_safe_split), so blocks decode and count independently: in place
+  // when clean UTF-8, translated in parallel when only "\r" needs it, else decoded in order.
   Mapping mapping;
-  size_t mapped_done = 0;  // file bytes counted in place
   if (S_ISREG(info.st_mode) && info.st_size > 0) {
     mapping.size = static_cast<size_t>(info.st_size);
     mapping.data = ::mmap(nullptr, mapping.size, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -957,57 +1045,28 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
     ::madvise(mapping.data, mapping.size, MADV_SEQUENTIAL);
     const auto* file = static_cast<const uint8_t*>(mapping.data);
     const size_t size = mapping.size;
-    size_t block_bytes = impl.options.block_bytes;
-    while (mapped_done < size) {
-      const size_t start = mapped_done;
-      size_t end = size - start > block_bytes ? start + block_bytes : size;
-      while (end < size && end > start && (file[end] & 0xC0) == 0x80) --end;  // a character start
-      const bool eof = end == size;
-      const uint8_t* s = file + start;
-      const size_t n = end - start;
-      // Clean check in pieces cut at character starts; a piece cut badly only reads as unclean.
-      const size_t num_pieces = static_cast<size_t>(impl.options.num_threads) * 4;
-      std::vector<size_t> cuts{0};
-      for (size_t k = 1; k < num_pieces; ++k) {
-        size_t c = std::max(cuts.back(), n / num_pieces * k);
-        while (c < n && (s[c] & 0xC0) == 0x80) ++c;
-        cuts.push_back(c);
+    std::string buffer;
+    for (size_t start = 0; start < size;) {
+      size_t end = size;
+      if (size - start > impl.options.block_bytes) {
+        end = start + impl.options.block_bytes;
+        while (end < size && !impl.raw_safe_split(file, end, size)) ++end;
       }
-      cuts.push_back(n);
-      std::atomic<bool> clean{true};
-      run_workers(num_pieces, impl.options.num_threads, interrupt, [&](size_t piece, int) {
-        if (clean.load(std::memory_order_relaxed) && !is_clean_utf8(s + cuts[piece], cuts[piece + 1] - cuts[piece])) {
-          clean.store(false);
-        }
-      });
-      if (!clean.load()) break;
-      std::vector<Impl::Chunk> chunks;
-      size_t done = impl.cut(s, n, eof ? n : (n > lookahead ? n - lookahead : 0), impl.stream_pos, chunks);
-      if (eof) {
-        if (done < n) chunks.push_back({s + done, n - done, impl.stream_pos + static_cast<int64_t>(done)});
-        done = n;
-      } else if (done == 0) {
-        block_bytes *= 2;  // no safe cut in this block: look further
-        continue;
-      }
-      impl.count_chunks(chunks, interrupt, bytes_done);
-      impl.stream_pos += static_cast<int64_t>(done);
-      mapped_done += done;
-      block_bytes = impl.options.block_bytes;
+      impl.count_raw_block(file + start, end - start, static_cast<int64_t>(start), path, buffer, interrupt,
+                           bytes_done);
+      start = end;
     }
-    if (mapped_done == size) return;
-    // Counting stopped at a safe cut (or the start): the text before it ends with a character
-    // that is neither "\r" nor part of a longer sequence, so decoding may restart here.
-    if (::lseek(fd, static_cast<off_t>(mapped_done), SEEK_SET) < 0) throw FileError(path, errno);
+    return;
   }
 
+  // Anything else (a pipe, an empty or unmappable file) is read and decoded in order.
   size_t block_bytes = impl.options.block_bytes;
   if (S_ISREG(info.st_mode) && info.st_size >= 0) {
-    block_bytes = std::min(block_bytes, static_cast<size_t>(info.st_size) - mapped_done + 16);
+    block_bytes = std::min(block_bytes, static_cast<size_t>(info.st_size) + 16);
   }
   std::vector<uint8_t> raw(block_bytes);
   size_t raw_len = 0;                                 // bytes in raw (an unfinished character first)
-  int64_t raw_offset = static_cast<int64_t>(mapped_done);  // file offset of raw[0]
+  int64_t raw_offset = 0;                             // file offset of raw[0]
   std::string text;                                   // decoded, not yet counted
   TextDecoder decoder(impl.options.errors);
   bool eof = false;
