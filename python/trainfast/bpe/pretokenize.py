@@ -304,15 +304,10 @@ def count_pretokens(
 
 
 def _count_text(counts: Counter, text: str, compiled: Any, tokens: Sequence[str]) -> None:
-    special = set(tokens)
-    if tokens:
-        parts = _special_splitter(tokens).split(text)
-        for idx, part in enumerate(parts):
-            if idx % 2 == 0:
-                counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
-    else:
-        counts.update(piece.encode("utf-8") for piece in compiled.findall(text))
-    del special
+    parts = _special_splitter(tokens).split(text) if tokens else [text]
+    for idx, part in enumerate(parts):
+        if idx % 2 == 0:  # odd parts are the special tokens: not counted
+            counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
 
 
 def _fallback_count_files(paths, compiled, tokens, errors, progress) -> dict[bytes, int]:
