@@ -17,4 +17,5 @@ PYBIND11_MODULE(_core, m) {
   trainfast::bindings::register_buckets(m);
   trainfast::bindings::register_pipeline(m);
   trainfast::bindings::register_eplb(m);
+  trainfast::bindings::register_bpe_pretokenize(m);
 }

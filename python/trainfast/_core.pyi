@@ -1,5 +1,6 @@
 # Type stub of the private native module trainfast._core (csrc/bindings/). tests/test_package.py
 # checks that every name the module exports is declared here.
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -103,3 +104,22 @@ def eplb_balanced_packing(
 def eplb_replicate_experts(
     weight: npt.NDArray[Any], num_phy: int, num_threads: int
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+# --- bpe pre-tokenizer (csrc/bindings/bpe_pretokenize.cpp); pattern: 0 gpt2, 1 cl100k, 2 o200k ---
+def bpe_pretokenize(text: str, pattern: int, special_tokens: list[str]) -> list[str]: ...
+def bpe_pretokenize_ends(text: str, pattern: int) -> npt.NDArray[np.int64]: ...
+
+class BpePretokenCounter:
+    def __init__(
+        self,
+        pattern: int,
+        special_tokens: list[str],
+        errors: int,
+        num_threads: int,
+        chunk_bytes: int = 0,
+        block_bytes: int = 0,
+    ) -> None: ...
+    def add_file(self, path: str, progress: Callable[[int], object] | None = None) -> None: ...
+    def add_documents(
+        self, documents: list[str | bytes], first_index: int = 0, progress: Callable[[int], object] | None = None
+    ) -> None: ...
+    def finish(self) -> dict[bytes, int]: ...

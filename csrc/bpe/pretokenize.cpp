@@ -1,0 +1,1209 @@
+#include "bpe/pretokenize.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <numeric>
+#include <thread>
+#include <utility>
+
+#include "bpe/unicode_tables.h"
+#include "common/check.h"
+
+namespace trainfast::bpe {
+namespace {
+
+using unicode::CharClass;
+using unicode::kLetterBoth;
+using unicode::kLower;
+using unicode::kMark;
+using unicode::kNumber;
+using unicode::kOther;
+using unicode::kSpace;
+using unicode::kUpper;
+
+constexpr size_t kNone = static_cast<size_t>(-1);
+
+// Sets of classes as bit masks.
+constexpr uint32_t bit(CharClass c) { return 1u << c; }
+constexpr uint32_t kLetterMask = bit(kUpper) | bit(kLower) | bit(kLetterBoth);       // \p{L}
+constexpr uint32_t kOtherMask = bit(kOther) | bit(kMark);                           // [^\s\p{L}\p{N}]
+constexpr uint32_t kUpperRunMask = bit(kUpper) | bit(kLetterBoth) | bit(kMark);     // o200k [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]
+constexpr uint32_t kLowerRunMask = bit(kLower) | bit(kLetterBoth) | bit(kMark);     // o200k [\p{Ll}\p{Lm}\p{Lo}\p{M}]
+constexpr uint32_t kNumberMask = bit(kNumber);
+
+// GPT-2/cl100k run groups: \p{L}, \p{N}, [^\s\p{L}\p{N}], \s.
+constexpr uint8_t kGroupLetter = 0, kGroupNumber = 1, kGroupOther = 2, kGroupSpace = 3, kGroupNonAscii = 255;
+constexpr uint8_t kGroupOfClass[unicode::kNumClasses] = {kGroupOther,  kGroupSpace,  kGroupLetter, kGroupLetter,
+                                                         kGroupLetter, kGroupOther,  kGroupNumber};
+
+struct AsciiClasses {
+  uint8_t cls[128];
+  uint8_t group[256];  // kGroupNonAscii for bytes >= 0x80
+  AsciiClasses() {
+    for (int c = 0; c < 256; ++c) {
+      if (c < 128) cls[c] = unicode::char_class(static_cast<char32_t>(c));
+      group[c] = c < 128 ? kGroupOfClass[cls[c]] : kGroupNonAscii;
+    }
+  }
+};
+const AsciiClasses kAscii;
+
+struct CharInfo {
+  CharClass cls;
+  uint32_t len;
+};
+
+// Decodes the character at s[i] (i < n) leniently: input is UTF-8 with surrogates allowed; a
+// truncated or stray byte counts as one U+FFFD-like "other" character, so scanning stays in bounds.
+[[gnu::always_inline]] inline char32_t decode_at(const uint8_t* s, size_t i, size_t n, uint32_t* len) {
+  const uint8_t b = s[i];
+  if (b < 0x80) {
+    *len = 1;
+    return b;
+  }
+  if (b >= 0xC0 && b < 0xE0 && i + 1 < n) {
+    *len = 2;
+    return (char32_t{b & 0x1Fu} << 6) | (s[i + 1] & 0x3Fu);
+  }
+  if (b >= 0xE0 && b < 0xF0 && i + 2 < n) {
+    *len = 3;
+    return (char32_t{b & 0x0Fu} << 12) | (char32_t{s[i + 1] & 0x3Fu} << 6) | (s[i + 2] & 0x3Fu);
+  }
+  if (b >= 0xF0 && b < 0xF8 && i + 3 < n) {
+    *len = 4;
+    return (char32_t{b & 0x07u} << 18) | (char32_t{s[i + 1] & 0x3Fu} << 12) |
+           (char32_t{s[i + 2] & 0x3Fu} << 6) | (s[i + 3] & 0x3Fu);
+  }
+  *len = 1;
+  return 0xFFFD;
+}
+
+[[gnu::always_inline]] inline CharInfo char_at(const uint8_t* s, size_t i, size_t n) {
+  const uint8_t b = s[i];
+  if (b < 0x80) return {static_cast<CharClass>(kAscii.cls[b]), 1};
+  uint32_t len;
+  const char32_t cp = decode_at(s, i, n, &len);
+  return {unicode::char_class(cp), len};
+}
+
+inline bool in(uint32_t mask, CharClass c) { return (mask >> c) & 1u; }
+
+// End of the maximal run of characters whose class is in `mask`, starting at i.
+[[gnu::always_inline]] inline size_t run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
+  while (i < n) {
+    const uint8_t b = s[i];
+    if (b < 0x80) {
+      if (!in(mask, static_cast<CharClass>(kAscii.cls[b]))) break;
+      ++i;
+    } else {
+      const CharInfo c = char_at(s, i, n);
+      if (!in(mask, c.cls)) break;
+      i += c.len;
+    }
+  }
+  return i;
+}
+
+// End of a run of group `group` (kGroupLetter/Number/Other) from i: a tight loop while the run
+// stays ASCII (the common case), then the general one.
+constexpr uint32_t kGroupMask[3] = {bit(kUpper) | bit(kLower) | bit(kLetterBoth), bit(kNumber), bit(kOther) | bit(kMark)};
+
+[[gnu::always_inline]] inline size_t ascii_run_end(const uint8_t* s, size_t i, size_t n, uint8_t group) {
+  while (i < n && kAscii.group[s[i]] == group) ++i;
+  if (i < n && s[i] >= 0x80) return run_end(s, i, n, kGroupMask[group]);
+  return i;
+}
+
+// The contraction letter (one of "sdmtlvre") that `(?i:x)` matches for cp, else 0.
+inline char fold_letter(char32_t cp) {
+  if (cp < 0x80) {
+    const char lower = static_cast<char>(cp >= 'A' && cp <= 'Z' ? cp + 32 : cp);
+    switch (lower) {
+      case 's': case 'd': case 'm': case 't': case 'l': case 'v': case 'r': case 'e':
+        break;
+      default:
+        return 0;
+    }
+  }
+  auto member = [cp](const auto& set) { return std::find(std::begin(set), std::end(set), cp) != std::end(set); };
+  if (member(unicode::kFold_s)) return 's';
+  if (member(unicode::kFold_d)) return 'd';
+  if (member(unicode::kFold_m)) return 'm';
+  if (member(unicode::kFold_t)) return 't';
+  if (member(unicode::kFold_l)) return 'l';
+  if (member(unicode::kFold_v)) return 'v';
+  if (member(unicode::kFold_r)) return 'r';
+  if (member(unicode::kFold_e)) return 'e';
+  return 0;
+}
+
+// A maximal whitespace run from i: its end, the start of its last character, its length in
+// characters (capped at 2) and the end of its last "\r" or "\n" (kNone when it has none).
+struct SpaceRun {
+  size_t end;
+  size_t last_start;
+  int count;
+  size_t newline_end;
+};
+
+[[gnu::always_inline]] inline SpaceRun space_run(const uint8_t* s, size_t i, size_t n) {
+  SpaceRun run{i, i, 0, kNone};
+  while (run.end < n) {
+    const CharInfo c = char_at(s, run.end, n);
+    if (c.cls != kSpace) break;
+    if (s[run.end] == '\r' || s[run.end] == '\n') run.newline_end = run.end + 1;
+    run.last_start = run.end;
+    run.end += c.len;
+    if (run.count < 2) ++run.count;
+  }
+  return run;
+}
+
+
+// '(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+[[gnu::always_inline]] inline size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
+  const uint8_t c = s[i];
+  if (c == ' ') {
+    if (i + 1 < n) {
+      // Every non-space character is \p{L}, \p{N} or [^\s\p{L}\p{N}]: one of the " ?X+" alternatives.
+      const uint8_t d = s[i + 1];
+      const uint8_t group = kAscii.group[d];
+      if (group < kGroupSpace) return ascii_run_end(s, i + 2, n, group);
+      if (d >= 0x80) {
+        const CharInfo next = char_at(s, i + 1, n);
+        if (next.cls != kSpace) return ascii_run_end(s, i + 1 + next.len, n, kGroupOfClass[next.cls]);
+      }
+    }
+  } else if (c == '\'' && i + 1 < n) {  // contractions: ASCII lower case only
+    const uint8_t c1 = s[i + 1];
+    if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') return i + 2;
+    if (i + 2 < n) {
+      const uint8_t c2 = s[i + 2];
+      if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) return i + 3;
+    }
+  }
+  const CharInfo first = char_at(s, i, n);
+  if (first.cls != kSpace) return ascii_run_end(s, i + first.len, n, kGroupOfClass[first.cls]);
+  const SpaceRun run = space_run(s, i, n);
+  if (run.end == n || run.count == 1) return run.end;  // \s+(?!\S) at the end, else \s+
+  return run.last_start;                               // \s+(?!\S) gives back the last space
+}
+
+// Up to three \p{N} from i (which is one).
+inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first_len) {
+  size_t j = i + first_len;
+  for (int k = 1; k < 3 && j < n; ++k) {
+    const CharInfo c = char_at(s, j, n);
+    if (c.cls != kNumber) break;
+    j += c.len;
+  }
+  return j;
+}
+
+// '(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s
+[[gnu::always_inline]] inline size_t cl100k_next(const uint8_t* s, size_t i, size_t n) {
+  const uint8_t c = s[i];
+  if (c == '\'' && i + 1 < n) {
+    uint32_t len1;
+    const char l1 = fold_letter(decode_at(s, i + 1, n, &len1));
+    if (l1 == 's' || l1 == 'd' || l1 == 'm' || l1 == 't') return i + 1 + len1;
+    if ((l1 == 'l' || l1 == 'v' || l1 == 'r') && i + 1 + len1 < n) {
+      uint32_t len2;
+      const char l2 = fold_letter(decode_at(s, i + 1 + len1, n, &len2));
+      if ((l1 == 'l' && l2 == 'l') || (l1 != 'l' && l2 == 'e')) return i + 1 + len1 + len2;
+    }
+  }
+  const CharInfo first = char_at(s, i, n);
+  if (in(kLetterMask, first.cls)) return ascii_run_end(s, i + first.len, n, kGroupLetter);
+  if (first.cls == kNumber) return numbers_upto3(s, i, n, first.len);
+  // [^\r\n\p{L}\p{N}]?+\p{L}++ with the prefix: possessive, so no other split of it is tried.
+  if (c != '\r' && c != '\n' && i + first.len < n) {
+    const CharInfo next = char_at(s, i + first.len, n);
+    if (in(kLetterMask, next.cls)) return ascii_run_end(s, i + first.len + next.len, n, kGroupLetter);
+  }
+  size_t other_end = kNone;
+  if (in(kOtherMask, first.cls)) {
+    other_end = run_end(s, i + first.len, n, kOtherMask);
+  } else if (c == ' ' && i + 1 < n) {
+    const CharInfo next = char_at(s, i + 1, n);
+    if (in(kOtherMask, next.cls)) other_end = run_end(s, i + 1 + next.len, n, kOtherMask);
+  }
+  if (other_end != kNone) {
+    while (other_end < n && (s[other_end] == '\r' || s[other_end] == '\n')) ++other_end;
+    return other_end;
+  }
+  const SpaceRun run = space_run(s, i, n);
+  if (run.end == n) return n;                           // \s++$
+  if (run.newline_end != kNone) return run.newline_end;  // \s*[\r\n]
+  if (run.count == 2) return run.last_start;             // \s+(?!\S)
+  return run.end;                                        // \s
+}
+
+// o200k [Upper]*[Lower]+ from i: kNone when it does not match. Greedy [Upper]* backtracks until
+// [Lower]+ can start, so it ends after the last "both" character of the upper run unless a
+// \p{Ll} follows the run.
+inline size_t o200k_word_lower(const uint8_t* s, size_t i, size_t n) {
+  size_t j = i;
+  size_t both_end = kNone;
+  while (j < n) {
+    const CharInfo c = char_at(s, j, n);
+    if (!in(kUpperRunMask, c.cls)) {
+      if (c.cls == kLower) return run_end(s, j + c.len, n, kLowerRunMask);
+      break;
+    }
+    j += c.len;
+    if (c.cls != kUpper) both_end = j;
+  }
+  return both_end;
+}
+
+// o200k [Upper]+[Lower]* from i: kNone when it does not match.
+inline size_t o200k_word_upper(const uint8_t* s, size_t i, size_t n) {
+  const size_t j = run_end(s, i, n, kUpperRunMask);
+  if (j == i) return kNone;
+  return run_end(s, j, n, kLowerRunMask);
+}
+
+// (?i:'s|'t|'re|'ve|'m|'ll|'d)? after a word ending at e.
+inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
+  if (e + 1 >= n || s[e] != '\'') return e;
+  uint32_t len1;
+  const char l1 = fold_letter(decode_at(s, e + 1, n, &len1));
+  if (l1 == 's' || l1 == 't' || l1 == 'm' || l1 == 'd') return e + 1 + len1;
+  if ((l1 == 'r' || l1 == 'v' || l1 == 'l') && e + 1 + len1 < n) {
+    uint32_t len2;
+    const char l2 = fold_letter(decode_at(s, e + 1 + len1, n, &len2));
+    if ((l1 == 'l' && l2 == 'l') || (l1 != 'l' && l2 == 'e')) return e + 1 + len1 + len2;
+  }
+  return e;
+}
+
+// [^\r\n\p{L}\p{N}]?[Upper]*[Lower]+C?|[^\r\n\p{L}\p{N}]?[Upper]+[Lower]*C?|\p{N}{1,3}
+// | ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+   (Upper, Lower, C as in tiktoken's o200k)
+[[gnu::always_inline]] inline size_t o200k_next(const uint8_t* s, size_t i, size_t n) {
+  const uint8_t c = s[i];
+  const CharInfo first = char_at(s, i, n);
+  const bool prefixable = c != '\r' && c != '\n' && !in(kLetterMask | kNumberMask, first.cls);
+  const size_t after = i + first.len;
+  size_t e;
+  // Backtracking order: optional prefix taken first, then not; the first alternative, then the second.
+  if (prefixable && after < n && (e = o200k_word_lower(s, after, n)) != kNone) return o200k_contraction(s, e, n);
+  if ((e = o200k_word_lower(s, i, n)) != kNone) return o200k_contraction(s, e, n);
+  if (prefixable && after < n && (e = o200k_word_upper(s, after, n)) != kNone) return o200k_contraction(s, e, n);
+  if ((e = o200k_word_upper(s, i, n)) != kNone) return o200k_contraction(s, e, n);
+  if (first.cls == kNumber) return numbers_upto3(s, i, n, first.len);
+  size_t other_end = kNone;
+  if (in(kOtherMask, first.cls)) {
+    other_end = run_end(s, after, n, kOtherMask);
+  } else if (c == ' ' && after < n) {
+    const CharInfo next = char_at(s, after, n);
+    if (in(kOtherMask, next.cls)) other_end = run_end(s, after + next.len, n, kOtherMask);
+  }
+  if (other_end != kNone) {
+    while (other_end < n && (s[other_end] == '\r' || s[other_end] == '\n' || s[other_end] == '/')) ++other_end;
+    return other_end;
+  }
+  const SpaceRun run = space_run(s, i, n);
+  if (run.newline_end != kNone) return run.newline_end;  // \s*[\r\n]+
+  if (run.end == n || run.count == 1) return run.end;    // \s+(?!\S) at the end, else \s+
+  return run.last_start;                                 // \s+(?!\S)
+}
+
+template <Pattern P>
+[[gnu::always_inline]] inline size_t next_end(const uint8_t* s, size_t i, size_t n) {
+  if constexpr (P == Pattern::kGpt2) return gpt2_next(s, i, n);
+  if constexpr (P == Pattern::kCl100k) return cl100k_next(s, i, n);
+  if constexpr (P == Pattern::kO200k) return o200k_next(s, i, n);
+}
+
+// Whether cutting text at byte p (0 < p < n) leaves every pre-token unchanged:
+//   findall(text) == findall(text[:p]) + findall(text[p:]).
+// Proof sketch. The rule needs text[p] = an ASCII \s character and text[p-1] (a character) not \s.
+// (1) A pre-token of the whole text ends at p: the one holding text[p-1] is not a whitespace
+//     token, and no non-whitespace alternative continues over an \s character, except
+//     cl100k's `[^\s\p{L}\p{N}]++[\r\n]*+` and o200k's `[^\s\p{L}\p{N}]+[\r\n/]*`, which can
+//     take a "\r"/"\n" after punctuation. So for cl100k/o200k a "\r"/"\n" at p also needs
+//     text[p-1] in \p{L} or \p{N}: those characters are never inside such a punctuation token.
+//     (A space prefix or o200k's [^\r\n\p{L}\p{N}] prefix belongs to the token after it.)
+// (2) The scans left of p agree: every match attempt before p that looks at text[p] sees an \s
+//     character there, and the same attempt on text[:p] sees the end of the string; no
+//     alternative of these patterns treats the two differently when the attempt starts before
+//     p-1 is passed (runs of \p{L}/\p{N}/[^\s\p{L}\p{N}]/o200k case classes stop at both;
+//     contraction letters fail at both; `(?!\S)` and `$` are only reached from a whitespace
+//     run, which cannot start at or before p-1 and reach p because text[p-1] is not \s).
+// (3) The scans right of p agree: none of the patterns has a look-behind, and by (1) the
+//     whole-text scan starts a fresh match at p, exactly as a scan of text[p:] does.
+// The test suite checks the rule against the unsplit scan on random and corpus text.
+template <Pattern P>
+bool is_safe_split(const uint8_t* s, size_t p, size_t n) {
+  if (p == 0 || p >= n) return false;
+  const uint8_t b = s[p];
+  if (b >= 0x80 || kAscii.cls[b] != kSpace) return false;
+  size_t q = p - 1;
+  while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) --q;
+  const CharInfo prev = char_at(s, q, p);
+  if (q + prev.len != p || prev.cls == kSpace) return false;
+  if (P != Pattern::kGpt2 && (b == '\r' || b == '\n')) return in(kLetterMask | kNumberMask, prev.cls);
+  return true;
+}
+
+template <Pattern P>
+void pretokenize_impl(const uint8_t* s, size_t n, size_t base, std::vector<size_t>& ends) {
+  for (size_t i = 0; i < n;) {
+    i = next_end<P>(s, i, n);
+    ends.push_back(base + i);
+  }
+}
+
+void pretokenize_segment(const uint8_t* s, size_t n, size_t base, Pattern pattern, std::vector<size_t>& ends) {
+  switch (pattern) {
+    case Pattern::kGpt2: return pretokenize_impl<Pattern::kGpt2>(s, n, base, ends);
+    case Pattern::kCl100k: return pretokenize_impl<Pattern::kCl100k>(s, n, base, ends);
+    case Pattern::kO200k: return pretokenize_impl<Pattern::kO200k>(s, n, base, ends);
+  }
+  TF_CHECK_ARG(false, "pattern", static_cast<int>(pattern), "must be gpt2, cl100k or o200k");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counting table: open addressing, keys of up to 8 bytes stored inline, longer ones in an arena.
+
+inline uint64_t load_upto8(const uint8_t* p, uint32_t len) {
+  if (len >= 4) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + len - 4, 4);
+    return uint64_t{lo} | (uint64_t{hi} << (8 * (len - 4)));
+  }
+  if (len == 0) return 0;
+  return uint64_t{p[0]} | (uint64_t{p[len / 2]} << (8 * (len / 2))) | (uint64_t{p[len - 1]} << (8 * (len - 1)));
+}
+
+// Short keys (<= 8 bytes, zero padded): every key bit reaches the low (index) and high (tag) bits.
+inline uint64_t short_hash(uint64_t word, uint32_t len) {
+  uint64_t h = (word ^ (uint64_t{len} << 59)) * 0x9E3779B97F4A7C15ull;
+  h ^= h >> 32;
+  h *= 0xD6E8FEB86659FD93ull;
+  return h ^ (h >> 32);
+}
+
+inline uint64_t mix(uint64_t x) {
+  x ^= x >> 32;
+  x *= 0xD6E8FEB86659FD93ull;
+  x ^= x >> 32;
+  x *= 0xD6E8FEB86659FD93ull;
+  x ^= x >> 32;
+  return x;
+}
+
+inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ len;
+  uint32_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * 0xFF51AFD7ED558CCDull;
+    h ^= h >> 29;
+  }
+  if (i < len) h = (h ^ load_upto8(p + i, len - i)) * 0xC4CEB9FE1A85EC53ull;
+  return mix(h);
+}
+
+class CountTable {
+ public:
+  CountTable() { index_.assign(kInitialCapacity, 0); }
+
+  // A key's home slot: the top bits of its tag, so growing needs only the index (no rehashing).
+  [[gnu::always_inline]] inline size_t home(uint64_t hash) const { return static_cast<uint32_t>(hash >> 32) >> shift_; }
+
+  // A key with its hash, computed ahead so its slots can be prefetched.
+  struct Key {
+    const uint8_t* data;
+    uint32_t len;
+    uint64_t word;  // the bytes of a short key (len <= 8), zero padded
+    uint64_t hash;
+  };
+
+  [[gnu::always_inline]] static inline Key make_key(const uint8_t* data, uint32_t len) {
+    const bool short_key = len <= 8;
+    const uint64_t word = short_key ? load_upto8(data, len) : 0;
+    return {data, len, word, short_key ? short_hash(word, len) : hash_long(data, len)};
+  }
+
+  // Pulls the key's first index slot, then (once that is cached) its entry, toward the cache.
+  [[gnu::always_inline]] inline void prefetch_slot(const Key& key) const {
+    __builtin_prefetch(&index_[home(key.hash)]);
+  }
+  [[gnu::always_inline]] inline void prefetch_entry(const Key& key) const {
+    const uint64_t slot = index_[home(key.hash)];
+    if (slot != 0) __builtin_prefetch(&entries_[(slot & 0xFFFFFFFFull) - 1]);
+  }
+
+  void add(const uint8_t* data, uint32_t len, int64_t pos, int64_t count = 1) { add(make_key(data, len), pos, count); }
+
+  [[gnu::always_inline]] inline void add(const Key& key, int64_t pos, int64_t count = 1) {
+    const bool short_key = key.len <= 8;
+    const uint64_t tag = key.hash >> 32;
+    const size_t mask = index_.size() - 1;
+    for (size_t idx = home(key.hash);; idx = (idx + 1) & mask) {
+      const uint64_t slot = index_[idx];
+      if (slot == 0) {
+        insert(idx, tag, key.data, key.len, key.word, pos, count);
+        return;
+      }
+      if ((slot >> 32) == tag) {
+        Entry& entry = entries_[(slot & 0xFFFFFFFFull) - 1];
+        if (entry.len == key.len &&
+            (short_key ? entry.data == key.word : std::memcmp(arena_.data() + entry.data, key.data, key.len) == 0)) {
+          entry.count += count;
+          if (pos < entry.first_pos) entry.first_pos = pos;
+          return;
+        }
+      }
+    }
+  }
+
+  template <typename Fn>
+  void for_each(Fn&& fn) const {
+    for (const Entry& entry : entries_) {
+      if (entry.len <= 8) {
+        uint8_t bytes[8];
+        std::memcpy(bytes, &entry.data, 8);
+        fn(bytes, entry.len, entry.count, entry.first_pos);
+      } else {
+        fn(arena_.data() + entry.data, entry.len, entry.count, entry.first_pos);
+      }
+    }
+  }
+
+  size_t size() const { return entries_.size(); }
+  void clear() {
+    index_.assign(kInitialCapacity, 0);
+    shift_ = 32 - kInitialBits;
+    std::vector<Entry>().swap(entries_);
+    std::vector<uint8_t>().swap(arena_);
+  }
+
+ private:
+  struct Entry {
+    uint64_t data;  // the key bytes (len <= 8, zero padded) or the key's arena offset
+    uint32_t len;
+    uint32_t tag;   // high hash bits, to rebuild the index
+    int64_t count;
+    int64_t first_pos;
+  };
+  static constexpr int kInitialBits = 14;
+  static constexpr size_t kInitialCapacity = size_t{1} << kInitialBits;
+  static constexpr size_t kMaxEntries = 0xFFFFFFFEull;
+
+  [[gnu::noinline]] void insert(size_t idx, uint64_t tag, const uint8_t* key, uint32_t len, uint64_t word,
+                                int64_t pos, int64_t count) {
+    if (entries_.size() >= kMaxEntries) throw std::length_error("more than 2^32 - 2 unique pre-tokens");
+    Entry entry{word, len, static_cast<uint32_t>(tag), count, pos};
+    if (len > 8) {
+      entry.data = arena_.size();
+      arena_.insert(arena_.end(), key, key + len);
+    }
+    entries_.push_back(entry);
+    index_[idx] = (tag << 32) | entries_.size();
+    if (entries_.size() * 2 > index_.size()) grow();
+  }
+
+  void grow() {
+    if (shift_ == 0) throw std::length_error("pre-token table is full");
+    std::vector<uint64_t> bigger(index_.size() * 2, 0);
+    const size_t mask = bigger.size() - 1;
+    --shift_;
+    for (uint64_t slot : index_) {
+      if (slot == 0) continue;
+      size_t idx = static_cast<uint32_t>(slot >> 32) >> shift_;
+      while (bigger[idx] != 0) idx = (idx + 1) & mask;
+      bigger[idx] = slot;
+    }
+    index_.swap(bigger);
+  }
+
+  std::vector<uint64_t> index_;  // (hash tag << 32) | (entry index + 1); 0 = empty
+  int shift_ = 32 - kInitialBits;  // index size is 2^(32 - shift_)
+  std::vector<Entry> entries_;
+  std::vector<uint8_t> arena_;
+};
+
+// Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
+// items in order; the calling thread is worker 0 and polls `interrupt` between items.
+void run_workers(size_t num_items, int num_threads, Interrupt* interrupt,
+                 const std::function<void(size_t, int)>& fn) {
+  if (num_items == 0) return;
+  const int num_workers = static_cast<int>(std::min<size_t>(std::max(1, num_threads), num_items));
+  std::atomic<size_t> next{0};
+  std::atomic<bool> stop{false};
+  std::exception_ptr first_error;
+  std::mutex error_mutex;
+  auto loop = [&](int worker) {
+    try {
+      while (!stop.load(std::memory_order_relaxed)) {
+        if (worker == 0 && interrupt != nullptr) interrupt->check();
+        const size_t item = next.fetch_add(1);
+        if (item >= num_items) break;
+        fn(item, worker);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!first_error) first_error = std::current_exception();
+      stop.store(true);
+    }
+  };
+  std::vector<std::thread> threads;
+  try {
+    for (int w = 1; w < num_workers; ++w) threads.emplace_back(loop, w);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (!first_error) first_error = std::current_exception();
+    stop.store(true);
+  }
+  loop(0);
+  for (auto& t : threads) t.join();
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+inline bool has_zero_byte(uint64_t w) { return ((w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull) != 0; }
+
+std::string byte_hex(uint8_t b) {
+  static const char* digits = "0123456789abcdef";
+  return std::string("0x") + digits[b >> 4] + digits[b & 15];
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+void pretokenize(std::string_view text, Pattern pattern, std::vector<size_t>& ends) {
+  pretokenize_segment(reinterpret_cast<const uint8_t*>(text.data()), text.size(), 0, pattern, ends);
+}
+
+SpecialTokenMatcher::SpecialTokenMatcher(std::vector<std::string> special_tokens) {
+  for (size_t k = 0; k < special_tokens.size(); ++k) {
+    if (special_tokens[k].empty()) {
+      throw std::invalid_argument("special_tokens must not contain an empty string (got one at index " +
+                                  std::to_string(k) + ")");
+    }
+  }
+  std::stable_sort(special_tokens.begin(), special_tokens.end(),
+                   [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  for (auto& token : special_tokens) {
+    if (std::find(tokens_.begin(), tokens_.end(), token) != tokens_.end()) continue;
+    max_length_ = std::max(max_length_, token.size());
+    const auto first = static_cast<unsigned char>(token[0]);
+    if (!first_byte_[first]) {
+      first_byte_[first] = true;
+      ++num_first_bytes_;
+      only_first_byte_ = first;
+    }
+    tokens_.push_back(std::move(token));
+  }
+}
+
+std::pair<size_t, size_t> SpecialTokenMatcher::find(std::string_view text, size_t from) const {
+  const size_t n = text.size();
+  if (tokens_.empty()) return {n, 0};
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  for (size_t i = from; i < n; ++i) {
+    if (num_first_bytes_ == 1) {
+      const void* hit = std::memchr(s + i, only_first_byte_, n - i);
+      if (hit == nullptr) return {n, 0};
+      i = static_cast<const unsigned char*>(hit) - s;
+    } else if (!first_byte_[s[i]]) {
+      continue;
+    }
+    for (const std::string& token : tokens_) {  // longest first
+      if (token.size() <= n - i && std::memcmp(s + i, token.data(), token.size()) == 0) return {i, token.size()};
+    }
+  }
+  return {n, 0};
+}
+
+bool SpecialTokenMatcher::straddles(std::string_view text, size_t p) const {
+  for (const std::string& token : tokens_) {
+    const size_t m = token.size();
+    for (size_t k = 1; k < m && k <= p; ++k) {
+      const size_t start = p - k;
+      if (start + m <= text.size() && std::memcmp(text.data() + start, token.data(), m) == 0) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
+                                         const SpecialTokenMatcher& specials) {
+  std::vector<Piece> pieces;
+  std::vector<size_t> ends;
+  const auto* s = reinterpret_cast<const uint8_t*>(text.data());
+  size_t i = 0;
+  while (i <= text.size()) {
+    const auto [special_start, special_len] = specials.find(text, i);
+    ends.clear();
+    pretokenize_segment(s + i, special_start - i, i, pattern, ends);
+    size_t begin = i;
+    for (size_t end : ends) {
+      pieces.push_back({begin, end, false});
+      begin = end;
+    }
+    if (special_len == 0) break;
+    pieces.push_back({special_start, special_start + special_len, true});
+    i = special_start + special_len;
+  }
+  return pieces;
+}
+
+size_t TextDecoder::decode(const uint8_t* raw, size_t n, bool final, int64_t base_offset,
+                           const std::string& name, std::string& out) {
+  out.reserve(out.size() + n);
+  auto invalid = [&](size_t i, size_t len, const char* reason) {
+    if (errors_ == Utf8Errors::kStrict) {
+      throw DecodeError(name + ": invalid UTF-8 at byte offset " + std::to_string(base_offset + static_cast<int64_t>(i)) +
+                            ": 'utf-8' codec can't decode byte " + byte_hex(raw[i]) + ": " + reason +
+                            " (pass errors='replace' or errors='ignore' to decode anyway)",
+                        base_offset + static_cast<int64_t>(i));
+    }
+    if (errors_ == Utf8Errors::kReplace) {
+      out.append("\xEF\xBF\xBD");
+      skip_lf_ = false;
+    }
+    return i + len;
+  };
+  size_t i = 0;
+  while (i < n) {
+    const uint8_t b = raw[i];
+    if (b < 0x80) {
+      if (b == '\r') {  // universal newlines: "\r" and "\r\n" -> "\n"
+        out.push_back('\n');
+        skip_lf_ = true;
+        ++i;
+        continue;
+      }
+      if (b == '\n' && skip_lf_) {
+        skip_lf_ = false;
+        ++i;
+        continue;
+      }
+      size_t j = i + 1;
+      while (j + 8 <= n) {  // ASCII without "\r", eight bytes at a time
+        uint64_t w;
+        std::memcpy(&w, raw + j, 8);
+        if ((w & 0x8080808080808080ull) != 0 || has_zero_byte(w ^ 0x0D0D0D0D0D0D0D0Dull)) break;
+        j += 8;
+      }
+      while (j < n && raw[j] < 0x80 && raw[j] != '\r') ++j;
+      out.append(reinterpret_cast<const char*>(raw + i), j - i);
+      skip_lf_ = false;
+      i = j;
+      continue;
+    }
+    // Well-formed sequences (Unicode Table 3-7); an ill-formed one is replaced by maximal
+    // subparts, as Python's decoder does.
+    int need;
+    uint8_t lo = 0x80, hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) {
+      need = 1;
+    } else if (b == 0xE0) {
+      need = 2, lo = 0xA0;
+    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
+      need = 2;
+    } else if (b == 0xED) {
+      need = 2, hi = 0x9F;
+    } else if (b == 0xF0) {
+      need = 3, lo = 0x90;
+    } else if (b >= 0xF1 && b <= 0xF3) {
+      need = 3;
+    } else if (b == 0xF4) {
+      need = 3, hi = 0x8F;
+    } else {
+      i = invalid(i, 1, "invalid start byte");
+      continue;
+    }
+    size_t k = 1;
+    for (; k <= static_cast<size_t>(need); ++k) {
+      if (i + k >= n) break;
+      const uint8_t cb = raw[i + k];
+      if (cb < (k == 1 ? lo : 0x80) || cb > (k == 1 ? hi : 0xBF)) break;
+    }
+    if (k > static_cast<size_t>(need)) {
+      out.append(reinterpret_cast<const char*>(raw + i), need + 1);
+      skip_lf_ = false;
+      i += need + 1;
+    } else if (i + k >= n) {
+      if (!final) return i;  // unfinished: wait for more bytes
+      i = invalid(i, k, "unexpected end of data");
+    } else {
+      i = invalid(i, k, "invalid continuation byte");
+    }
+  }
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+bool scan_utf8(const uint8_t* s, size_t n, size_t* num_cr, size_t* num_crlf);
+bool is_clean_utf8(const uint8_t* s, size_t n);
+}  // namespace
+
+struct PretokenCounter::Impl {
+  CountOptions options;
+  SpecialTokenMatcher specials;
+  std::vector<CountTable> tables;  // one per worker
+  int64_t stream_pos = 0;          // decoded bytes of all inputs so far: orders first occurrences
+
+  explicit Impl(CountOptions opts) : options(std::move(opts)), specials(options.special_tokens) {
+    TF_CHECK_ARG(options.num_threads >= 1, "num_threads", options.num_threads, "must be >= 1");
+    TF_CHECK_ARG(options.chunk_bytes >= 1, "chunk_bytes", options.chunk_bytes, "must be >= 1");
+    TF_CHECK_ARG(options.block_bytes >= 16, "block_bytes", options.block_bytes, "must be >= 16");
+    const int p = static_cast<int>(options.pattern);
+    TF_CHECK_ARG(p >= 0 && p <= 2, "pattern", p, "must be gpt2, cl100k or o200k");
+    tables.resize(options.num_threads);
+  }
+
+  struct Chunk {
+    const uint8_t* data;
+    size_t size;
+    int64_t pos;
+  };
+
+  bool safe_split(const uint8_t* s, size_t p, size_t n) const {
+    bool safe = false;
+    switch (options.pattern) {
+      case Pattern::kGpt2: safe = is_safe_split<Pattern::kGpt2>(s, p, n); break;
+      case Pattern::kCl100k: safe = is_safe_split<Pattern::kCl100k>(s, p, n); break;
+      case Pattern::kO200k: safe = is_safe_split<Pattern::kO200k>(s, p, n); break;
+    }
+    return safe && !specials.straddles(std::string_view(reinterpret_cast<const char*>(s), n), p);
+  }
+
+  // A safe cut of the raw file bytes s[0:n) at p that is also one of the decoded text, whatever
+  // the errors mode: besides safe_split's rule, the character before p is valid UTF-8 (so it
+  // decodes to itself, and no invalid sequence reaches p), and with special tokens the bytes
+  // around p that an occurrence covering p-1 and p could use are clean (decode to themselves).
+  bool raw_safe_split(const uint8_t* s, size_t p, size_t n) const {
+    if (p == 0 || p >= n || s[p] >= 0x80) return false;
+    size_t q = p - 1;
+    while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) --q;
+    if (s[q] >= 0x80 && !is_clean_utf8(s + q, p - q)) return false;
+    if (!specials.empty()) {
+      const size_t reach = specials.max_length();
+      size_t lo = p > reach ? p - reach : 0;
+      while (lo > 0 && (s[lo] & 0xC0) == 0x80) --lo;
+      size_t hi = std::min(n, p + reach);
+      while (hi < n && (s[hi] & 0xC0) == 0x80) ++hi;
+      if (!is_clean_utf8(s + lo, hi - lo)) return false;
+    }
+    return safe_split(s, p, n);
+  }
+
+  // Decodes and counts one block of raw file bytes that starts and ends at raw-safe cuts.
+  void count_raw_block(const uint8_t* s, size_t n, int64_t raw_offset, const std::string& name,
+                       std::string& buffer, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
+    // Pieces cut at character starts and never between "\r" and "\n", checked in parallel.
+    const size_t num_pieces = static_cast<size_t>(options.num_threads) * 4;
+    std::vector<size_t> cuts{0};
+    for (size_t k = 1; k < num_pieces; ++k) {
+      size_t c = std::max(cuts.back(), n / num_pieces * k);
+      while (c < n && ((s[c] & 0xC0) == 0x80 || (c > 0 && s[c - 1] == '\r'))) ++c;
+      cuts.push_back(c);
+    }
+    cuts.push_back(n);
+    std::vector<size_t> num_cr(num_pieces, 0), num_crlf(num_pieces, 0);
+    std::vector<uint8_t> valid(num_pieces, 0);
+    run_workers(num_pieces, options.num_threads, interrupt, [&](size_t k, int) {
+      valid[k] = scan_utf8(s + cuts[k], cuts[k + 1] - cuts[k], &num_cr[k], &num_crlf[k]);
+    });
+    const bool all_valid = std::all_of(valid.begin(), valid.end(), [](uint8_t v) { return v != 0; });
+    const size_t total_cr = std::accumulate(num_cr.begin(), num_cr.end(), size_t{0});
+    const uint8_t* text = s;
+    size_t text_size = n;
+    if (!all_valid) {
+      buffer.clear();
+      TextDecoder decoder(options.errors);
+      decoder.decode(s, n, true, raw_offset, name, buffer);
+      text = reinterpret_cast<const uint8_t*>(buffer.data());
+      text_size = buffer.size();
+    } else if (total_cr > 0) {
+      // Universal newlines, each piece into its place: "\r\n" -> "\n", lone "\r" -> "\n".
+      std::vector<size_t> out_starts(num_pieces + 1, 0);
+      for (size_t k = 0; k < num_pieces; ++k) {
+        out_starts[k + 1] = out_starts[k] + (cuts[k + 1] - cuts[k]) - num_crlf[k];
+      }
+      buffer.resize(out_starts[num_pieces]);
+      auto* out = reinterpret_cast<uint8_t*>(buffer.data());
+      run_workers(num_pieces, options.num_threads, interrupt, [&](size_t k, int) {
+        uint8_t* dst = out + out_starts[k];
+        for (size_t i = cuts[k]; i < cuts[k + 1]; ++i) {
+          if (s[i] != '\r') {
+            *dst++ = s[i];
+            continue;
+          }
+          *dst++ = '\n';
+          if (i + 1 < cuts[k + 1] && s[i + 1] == '\n') ++i;
+        }
+      });
+      text = out;
+      text_size = buffer.size();
+    }
+    std::vector<Chunk> chunks;
+    const size_t done = cut(text, text_size, text_size, stream_pos, chunks);
+    if (done < text_size) chunks.push_back({text + done, text_size - done, stream_pos + static_cast<int64_t>(done)});
+    count_chunks(chunks, interrupt, bytes_done);
+    stream_pos += static_cast<int64_t>(text_size);
+  }
+
+  // Cuts text[0:n) into chunks of about chunk_bytes at safe points before `limit`; returns the
+  // end of the last chunk cut (the rest is left for the caller).
+  size_t cut(const uint8_t* s, size_t n, size_t limit, int64_t pos, std::vector<Chunk>& chunks) const {
+    size_t start = 0;
+    while (start + options.chunk_bytes < limit) {
+      size_t p = start + options.chunk_bytes;
+      while (p < limit && !safe_split(s, p, n)) ++p;
+      if (p >= limit) break;
+      chunks.push_back({s + start, p - start, pos + static_cast<int64_t>(start)});
+      start = p;
+    }
+    return start;
+  }
+
+  template <Pattern P>
+  void count_segment(const uint8_t* s, size_t n, int64_t pos, CountTable& table) const {
+    // In batches: scan and hash a batch of pre-tokens prefetching their index slots, then their
+    // entries, then count them; this hides most cache misses of a large table.
+    constexpr int kBatch = 16;
+    CountTable::Key keys[kBatch];
+    int64_t starts[kBatch];
+    for (size_t i = 0; i < n;) {
+      int m = 0;
+      for (; m < kBatch && i < n; ++m) {
+        const size_t e = next_end<P>(s, i, n);
+        if (e - i > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
+        keys[m] = CountTable::make_key(s + i, static_cast<uint32_t>(e - i));
+        starts[m] = pos + static_cast<int64_t>(i);
+        table.prefetch_slot(keys[m]);
+        i = e;
+      }
+      for (int k = 0; k < m; ++k) table.prefetch_entry(keys[k]);
+      for (int k = 0; k < m; ++k) table.add(keys[k], starts[k]);
+    }
+  }
+
+  template <Pattern P>
+  void count_chunk_impl(const Chunk& chunk, CountTable& table) const {
+    if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, chunk.pos, table);
+    const std::string_view text(reinterpret_cast<const char*>(chunk.data), chunk.size);
+    size_t i = 0;
+    while (i < chunk.size) {
+      const auto [start, len] = specials.find(text, i);
+      count_segment<P>(chunk.data + i, start - i, chunk.pos + static_cast<int64_t>(i), table);
+      if (len == 0) break;
+      i = start + len;
+    }
+  }
+
+  void count_chunk(const Chunk& chunk, CountTable& table) const {
+    switch (options.pattern) {
+      case Pattern::kGpt2: return count_chunk_impl<Pattern::kGpt2>(chunk, table);
+      case Pattern::kCl100k: return count_chunk_impl<Pattern::kCl100k>(chunk, table);
+      case Pattern::kO200k: return count_chunk_impl<Pattern::kO200k>(chunk, table);
+    }
+  }
+
+  // Counts chunks in parallel; consecutive small chunks are grouped into work items.
+  void count_chunks(const std::vector<Chunk>& chunks, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
+    std::vector<size_t> item_starts;
+    size_t bytes = 0;
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      if (item_starts.empty() || bytes >= options.chunk_bytes) {
+        item_starts.push_back(k);
+        bytes = 0;
+      }
+      bytes += chunks[k].size;
+    }
+    item_starts.push_back(chunks.size());
+    run_workers(item_starts.size() - 1, options.num_threads, interrupt, [&](size_t item, int worker) {
+      int64_t item_bytes = 0;
+      for (size_t k = item_starts[item]; k < item_starts[item + 1]; ++k) {
+        count_chunk(chunks[k], tables[worker]);
+        item_bytes += static_cast<int64_t>(chunks[k].size);
+      }
+      if (bytes_done != nullptr) bytes_done->fetch_add(item_bytes, std::memory_order_relaxed);
+    });
+  }
+
+  // Cuts one whole document of decoded text into chunks.
+  void cut_document(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) {
+    const size_t done = n > 2 * options.chunk_bytes ? cut(s, n, n, stream_pos, chunks) : 0;
+    if (done < n) chunks.push_back({s + done, n - done, stream_pos + static_cast<int64_t>(done)});
+    stream_pos += static_cast<int64_t>(n);
+  }
+};
+
+PretokenCounter::PretokenCounter(CountOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+PretokenCounter::~PretokenCounter() = default;
+
+namespace {
+
+// Whether s[0:n) is valid UTF-8 made of complete characters; counts its "\r" and "\r\n".
+bool scan_utf8(const uint8_t* s, size_t n, size_t* num_cr, size_t* num_crlf) {
+  size_t i = 0;
+  while (i < n) {
+    if (i + 8 <= n) {
+      uint64_t w;
+      std::memcpy(&w, s + i, 8);
+      if ((w & 0x8080808080808080ull) == 0 && !has_zero_byte(w ^ 0x0D0D0D0D0D0D0D0Dull)) {
+        i += 8;
+        continue;
+      }
+    }
+    const uint8_t b = s[i];
+    if (b < 0x80) {
+      if (b == '\r') {
+        ++*num_cr;
+        if (i + 1 < n && s[i + 1] == '\n') ++*num_crlf;
+      }
+      ++i;
+      continue;
+    }
+    size_t need;
+    uint8_t lo = 0x80, hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) {
+      need = 1;
+    } else if (b == 0xE0) {
+      need = 2, lo = 0xA0;
+    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
+      need = 2;
+    } else if (b == 0xED) {
+      need = 2, hi = 0x9F;
+    } else if (b == 0xF0) {
+      need = 3, lo = 0x90;
+    } else if (b >= 0xF1 && b <= 0xF3) {
+      need = 3;
+    } else if (b == 0xF4) {
+      need = 3, hi = 0x8F;
+    } else {
+      return false;
+    }
+    if (i + need >= n) return false;  // unfinished at the end
+    if (s[i + 1] < lo || s[i + 1] > hi) return false;
+    for (size_t k = 2; k <= need; ++k) {
+      if ((s[i + k] & 0xC0) != 0x80) return false;
+    }
+    i += need + 1;
+  }
+  return true;
+}
+
+bool is_clean_utf8(const uint8_t* s, size_t n) {
+  size_t num_cr = 0, num_crlf = 0;
+  return scan_utf8(s, n, &num_cr, &num_crlf) && num_cr == 0;
+}
+
+struct Mapping {
+  void* data = MAP_FAILED;
+  size_t size = 0;
+  ~Mapping() {
+    if (data != MAP_FAILED) ::munmap(data, size);
+  }
+};
+
+}  // namespace
+
+void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
+  Impl& impl = *impl_;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw FileError(path, errno);
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) throw FileError(path, errno);
+  if (S_ISDIR(info.st_mode)) throw FileError(path, EISDIR);
+  // Lookahead a cut needs: text[p] and any special token that might straddle p.
+  const size_t lookahead = std::max<size_t>(1, impl.specials.max_length());
+
+  // A regular file is memory-mapped and cut into blocks at raw-byte points that are safe cuts of
+  // the decoded text too (see raw_safe_split), so blocks decode and count independently: in place
+  // when clean UTF-8, translated in parallel when only "\r" needs it, else decoded in order.
+  Mapping mapping;
+  if (S_ISREG(info.st_mode) && info.st_size > 0) {
+    mapping.size = static_cast<size_t>(info.st_size);
+    mapping.data = ::mmap(nullptr, mapping.size, PROT_READ, MAP_PRIVATE, fd, 0);
+  }
+  if (mapping.data != MAP_FAILED) {
+    ::madvise(mapping.data, mapping.size, MADV_SEQUENTIAL);
+    const auto* file = static_cast<const uint8_t*>(mapping.data);
+    const size_t size = mapping.size;
+    std::string buffer;
+    for (size_t start = 0; start < size;) {
+      size_t end = size;
+      if (size - start > impl.options.block_bytes) {
+        end = start + impl.options.block_bytes;
+        while (end < size && !impl.raw_safe_split(file, end, size)) ++end;
+      }
+      impl.count_raw_block(file + start, end - start, static_cast<int64_t>(start), path, buffer, interrupt,
+                           bytes_done);
+      start = end;
+    }
+    return;
+  }
+
+  // Anything else (a pipe, an empty or unmappable file) is read and decoded in order.
+  size_t block_bytes = impl.options.block_bytes;
+  if (S_ISREG(info.st_mode) && info.st_size >= 0) {
+    block_bytes = std::min(block_bytes, static_cast<size_t>(info.st_size) + 16);
+  }
+  std::vector<uint8_t> raw(block_bytes);
+  size_t raw_len = 0;                                 // bytes in raw (an unfinished character first)
+  int64_t raw_offset = 0;                             // file offset of raw[0]
+  std::string text;                                   // decoded, not yet counted
+  TextDecoder decoder(impl.options.errors);
+  bool eof = false;
+  while (!eof) {
+    while (raw_len < raw.size()) {
+      const ssize_t got = ::read(fd, raw.data() + raw_len, raw.size() - raw_len);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        throw FileError(path, errno);
+      }
+      if (got == 0) {
+        eof = true;
+        break;
+      }
+      raw_len += static_cast<size_t>(got);
+    }
+    const size_t consumed = decoder.decode(raw.data(), raw_len, eof, raw_offset, path, text);
+    std::memmove(raw.data(), raw.data() + consumed, raw_len - consumed);
+    raw_len -= consumed;
+    raw_offset += static_cast<int64_t>(consumed);
+
+    const auto* s = reinterpret_cast<const uint8_t*>(text.data());
+    std::vector<Impl::Chunk> chunks;
+    size_t done;
+    if (eof) {
+      done = impl.cut(s, text.size(), text.size(), impl.stream_pos, chunks);
+      if (done < text.size()) {
+        chunks.push_back({s + done, text.size() - done, impl.stream_pos + static_cast<int64_t>(done)});
+      }
+      done = text.size();
+    } else {
+      const size_t limit = text.size() > lookahead ? text.size() - lookahead : 0;
+      done = impl.cut(s, text.size(), limit, impl.stream_pos, chunks);
+    }
+    impl.count_chunks(chunks, interrupt, bytes_done);
+    impl.stream_pos += static_cast<int64_t>(done);
+    text.erase(0, done);
+  }
+}
+
+void PretokenCounter::add_documents(std::span<const std::string_view> documents, bool decoded,
+                                    std::span<const std::string> names, Interrupt* interrupt,
+                                    std::atomic<int64_t>* bytes_done) {
+  Impl& impl = *impl_;
+  std::string decoded_text;
+  std::vector<std::pair<size_t, size_t>> ranges;  // into decoded_text
+  if (!decoded) {
+    size_t total = 0;
+    for (auto doc : documents) total += doc.size();
+    decoded_text.reserve(total);
+    for (size_t k = 0; k < documents.size(); ++k) {
+      TextDecoder decoder(impl.options.errors);
+      const size_t begin = decoded_text.size();
+      const std::string name = k < names.size() ? names[k] : "document " + std::to_string(k);
+      decoder.decode(reinterpret_cast<const uint8_t*>(documents[k].data()), documents[k].size(), true, 0,
+                     name, decoded_text);
+      ranges.emplace_back(begin, decoded_text.size());
+    }
+  }
+  std::vector<Impl::Chunk> chunks;
+  for (size_t k = 0; k < documents.size(); ++k) {
+    const uint8_t* s;
+    size_t n;
+    if (decoded) {
+      s = reinterpret_cast<const uint8_t*>(documents[k].data());
+      n = documents[k].size();
+    } else {
+      s = reinterpret_cast<const uint8_t*>(decoded_text.data()) + ranges[k].first;
+      n = ranges[k].second - ranges[k].first;
+    }
+    impl.cut_document(s, n, chunks);
+  }
+  impl.count_chunks(chunks, interrupt, bytes_done);
+}
+
+PretokenCounts PretokenCounter::finish() {
+  Impl& impl = *impl_;
+  // Merge every table into the largest one (fewest insertions).
+  size_t largest = 0;
+  for (size_t w = 1; w < impl.tables.size(); ++w) {
+    if (impl.tables[w].size() > impl.tables[largest].size()) largest = w;
+  }
+  CountTable& merged = impl.tables[largest];
+  for (size_t w = 0; w < impl.tables.size(); ++w) {
+    if (w == largest) continue;
+    // Batched like counting: prefetch index slots, then entries, then add.
+    constexpr int kBatch = 16;
+    CountTable::Key keys[kBatch];
+    int64_t positions[kBatch], counts[kBatch];
+    uint8_t short_keys[kBatch][8];
+    int m = 0;
+    auto flush = [&] {
+      for (int k = 0; k < m; ++k) merged.prefetch_entry(keys[k]);
+      for (int k = 0; k < m; ++k) merged.add(keys[k], positions[k], counts[k]);
+      m = 0;
+    };
+    impl.tables[w].for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t pos) {
+      if (len <= 8) {  // for_each hands short keys in a temporary buffer
+        std::memcpy(short_keys[m], key, len);
+        key = short_keys[m];
+      }
+      keys[m] = CountTable::make_key(key, len);
+      positions[m] = pos;
+      counts[m] = count;
+      merged.prefetch_slot(keys[m]);
+      if (++m == kBatch) flush();
+    });
+    flush();
+    impl.tables[w].clear();
+  }
+  // First-occurrence order: positions are unique, so the order does not depend on the threads.
+  std::vector<std::pair<int64_t, uint32_t>> order;
+  order.reserve(merged.size());
+  uint32_t idx = 0;
+  merged.for_each([&](const uint8_t*, uint32_t, int64_t, int64_t pos) { order.emplace_back(pos, idx++); });
+  std::sort(order.begin(), order.end());
+  PretokenCounts out;
+  out.pretokens.resize(order.size());
+  out.counts.resize(order.size());
+  std::vector<uint32_t> rank(order.size());
+  for (size_t k = 0; k < order.size(); ++k) rank[order[k].second] = static_cast<uint32_t>(k);
+  idx = 0;
+  merged.for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t) {
+    const uint32_t k = rank[idx++];
+    out.pretokens[k].assign(reinterpret_cast<const char*>(key), len);
+    out.counts[k] = count;
+  });
+  merged.clear();
+  impl.stream_pos = 0;
+  return out;
+}
+
+PretokenCounts count_pretokens(const std::vector<std::string>& paths, const CountOptions& options,
+                               Interrupt* interrupt) {
+  PretokenCounter counter(options);
+  for (const auto& path : paths) counter.add_file(path, interrupt);
+  return counter.finish();
+}
+
+}  // namespace trainfast::bpe
