@@ -39,18 +39,6 @@ int64_t lcm_checked(int64_t a, int64_t b) {
 
 }  // namespace
 
-void* allocate_large(size_t bytes) {
-  constexpr size_t kHugePage = size_t{2} << 20;
-  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = std::aligned_alloc(kHugePage, rounded);
-  if (p == nullptr) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  ::madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure just means 4 KiB pages
-#endif
-  return p;
-}
-
-void free_large(void* p) noexcept { std::free(p); }
 
 int64_t pad_to_divisor(int64_t value, int64_t divisor) {
   int64_t quotient;

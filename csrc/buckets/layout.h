@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/buffer.h"
 #include "common/parallel.h"
 
 namespace trainfast::buckets {
@@ -42,43 +43,8 @@ int64_t pad_to_divisor(int64_t value, int64_t divisor);
 // lcm(dp, 128) or lcm(dp, 128, 2**16): the bucket-end divisor of the distributed optimizer.
 int64_t bucket_end_divisor(int64_t data_parallel_world_size, bool pad_for_high_nccl_busbw);
 
-// Big blocks come 2 MiB-aligned with a transparent-huge-page hint (far fewer page faults).
-void* allocate_large(size_t bytes);
-void free_large(void* p) noexcept;
-constexpr size_t kLargeAllocation = size_t{4} << 20;
 
-// Leaves new elements uninitialised: big outputs are written once, by the worker threads.
-template <typename T>
-struct NoInitAllocator : std::allocator<T> {
-  using value_type = T;
-  T* allocate(size_t n) {
-    if (n * sizeof(T) >= kLargeAllocation) return static_cast<T*>(allocate_large(n * sizeof(T)));
-    return std::allocator<T>::allocate(n);
-  }
-  void deallocate(T* p, size_t n) noexcept {
-    if (n * sizeof(T) >= kLargeAllocation) {
-      free_large(p);
-    } else {
-      std::allocator<T>::deallocate(p, n);
-    }
-  }
-  template <typename U>
-  struct rebind {
-    using other = NoInitAllocator<U>;
-  };
-  NoInitAllocator() = default;
-  template <typename U>
-  NoInitAllocator(const NoInitAllocator<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
-using Int64Buffer = std::vector<int64_t, NoInitAllocator<int64_t>>;
+using Int64Buffer = UninitializedBuffer<int64_t>;
 
 struct ShardRanges {
   // One row per (rank, bucket, owned param), ordered by rank, bucket, then layout order.

@@ -12,33 +12,13 @@
 #include <utility>
 #include <vector>
 
+#include "common/buffer.h"
 #include "common/parallel.h"
 
 namespace trainfast::eplb {
 
-// std::allocator that leaves ints and floats uninitialised on resize: every element of the buffers
-// below is written before it is read, and zeroing them first doubled the memory traffic.
 template <typename T>
-struct UninitializedAllocator : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = UninitializedAllocator<U>;
-  };
-  UninitializedAllocator() = default;
-  template <typename U>
-  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
-
-template <typename T>
-using Buffer = std::vector<T, UninitializedAllocator<T>>;
+using Buffer = ::trainfast::UninitializedBuffer<T>;
 
 // A hierarchical problem; the global policy is num_groups = num_nodes = 1.
 struct Shape {
