@@ -81,7 +81,8 @@ class Trainer {
  public:
   Trainer(std::span<const uint8_t> word_bytes, std::span<const int64_t> word_offsets,
           std::span<const int64_t> word_counts, Interrupt* interrupt)
-      : interrupt_(interrupt), pairs_(static_cast<size_t>(65536)) {
+      : interrupt_(interrupt),
+        pairs_(std::min<size_t>(word_bytes.size(), size_t{1} << 17)) {
     token_bytes_.reserve(256);
     for (int b = 0; b < 256; ++b) token_bytes_.emplace_back(1, static_cast<char>(b));
     load_words(word_bytes, word_offsets, word_counts);
