@@ -72,6 +72,8 @@ class PairIndex {
   size_t size_ = 0;
 };
 
+constexpr size_t kPrefetchDistance = 8;
+
 struct HeapEntry {
   int64_t count;
   int32_t pair_idx;
@@ -245,6 +247,12 @@ class Trainer {
     touched_.clear();
     for (size_t k = 0; k < words.size(); ++k) {
       if ((k & 0xffff) == 0xffff) poll_interrupt();  // the first merges touch most words
+      if (k + kPrefetchDistance < words.size()) {  // word visits are cache misses: fetch ahead
+        const int32_t ahead = words[k + kPrefetchDistance];
+        __builtin_prefetch(symbols_.data() + word_start_[ahead]);
+        __builtin_prefetch(&word_stamp_[words[std::min(k + 2 * kPrefetchDistance, words.size() - 1)]]);
+        __builtin_prefetch(&word_start_[words[std::min(k + 2 * kPrefetchDistance, words.size() - 1)]]);
+      }
       const int32_t w = words[k];
       if (word_stamp_[w] == merge_idx) continue;  // listed twice
       word_stamp_[w] = merge_idx;
