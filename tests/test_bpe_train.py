@@ -311,3 +311,12 @@ def test_fallback_chunking_keeps_gpt2_pretokens(text, chunk_chars):
     chunks = list(train_module._gpt2_safe_chunks(text, chunk_chars))
     assert "".join(chunks) == text
     assert [t for c in chunks for t in regex.findall(ref.GPT2_PATTERN, c)] == regex.findall(ref.GPT2_PATTERN, text)
+
+
+@pytest.mark.parametrize("pattern", ["cl100k", "o200k", r"\S+|\s+"])
+def test_other_patterns(shared_dir, pattern):
+    path = _fixture(shared_dir, "german.txt")
+    vocab, merges = _train(path, 350, [SPECIAL], pattern=pattern)
+    assert len(merges) > 0 and len(vocab) == 257 + len(merges)
+    if pattern.startswith("\\"):  # a custom regex: same as the oracle with that pattern
+        assert (vocab, merges) == ref.train_bpe(path, 350, [SPECIAL], pattern=pattern)

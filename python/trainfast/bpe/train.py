@@ -178,15 +178,22 @@ class _Progress:
 _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-def _fallback_pattern(pattern: str) -> str:
-    if pattern == "gpt2":
-        return _GPT2_PATTERN
-    if pattern in ("cl100k", "o200k"):
-        from tiktoken_ext import openai_public
+# tiktoken's cl100k_base and o200k_base pre-tokenizer patterns.
+_CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+                   r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+_O200K_PATTERN = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
 
-        name = "cl100k_base" if pattern == "cl100k" else "o200k_base"
-        return getattr(openai_public, name)()["pat_str"]
-    return pattern
+
+def _fallback_pattern(pattern: str) -> str:
+    return {"gpt2": _GPT2_PATTERN, "cl100k": _CL100K_PATTERN, "o200k": _O200K_PATTERN}.get(pattern, pattern)
 
 
 def _fallback_documents(inputs: Any, errors: str) -> Iterable[str]:
