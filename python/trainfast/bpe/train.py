@@ -196,8 +196,10 @@ def _fallback_pattern(pattern: str) -> str:
     return {"gpt2": _GPT2_PATTERN, "cl100k": _CL100K_PATTERN, "o200k": _O200K_PATTERN}.get(pattern, pattern)
 
 
-def _fallback_documents(inputs: Any, errors: str) -> Iterable[str]:
-    """Texts of a path, a list/tuple of paths, or an iterable of str/bytes documents."""
+def _fallback_documents(inputs: Any, errors: str, specials: Sequence[str] = (),
+                        stream: bool = False) -> Iterable[str]:
+    """Texts of a path, a list/tuple of paths, or an iterable of str/bytes documents. With
+    ``stream`` (GPT-2 pattern only), files come in blocks cut where the pre-tokens do not change."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
         paths = True
@@ -215,6 +217,9 @@ def _fallback_documents(inputs: Any, errors: str) -> Iterable[str]:
                 raise FileNotFoundError(f"input_path {path!r} does not exist")
             if os.path.isdir(path):
                 raise IsADirectoryError(f"input_path {path!r} is a directory")
+            if stream:
+                yield from _read_blocks(path, errors, specials)
+                continue
             with open(path, "rb") as f:
                 data = f.read()
             yield _decode(data, errors, f"input_path {path!r}")
@@ -224,6 +229,57 @@ def _fallback_documents(inputs: Any, errors: str) -> Iterable[str]:
             yield _decode(bytes(item), errors, "document")
         else:
             raise TypeError(f"documents must be str or bytes (got {type(item).__name__})")
+
+
+def _read_blocks(path: str, errors: str, specials: Sequence[str], block_bytes: int = 1 << 22) -> Iterable[str]:
+    """The text of ``path`` (text mode) in blocks of about ``block_bytes``, so memory stays bounded."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors)
+    consumed = 0  # bytes fed to the decoder so far
+    carry = ""  # decoded, newline-translated text not yet yielded
+    pending_cr = ""  # a trailing "\r" that may pair with a "\n" in the next block
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(block_bytes)
+            final = not data
+            buffered = len(decoder.getstate()[0])
+            try:
+                raw = pending_cr + decoder.decode(data, final)
+            except UnicodeDecodeError as error:
+                raise ValueError(f"input_path {path!r} is not valid UTF-8: byte offset "
+                                 f"{consumed - buffered + error.start}: {error.reason}") from None
+            consumed += len(data)
+            pending_cr = "\r" if not final and raw.endswith("\r") else ""
+            if pending_cr:
+                raw = raw[:-1]
+            buffer = carry + raw.replace("\r\n", "\n").replace("\r", "\n")
+            if final:
+                yield buffer
+                return
+            cut = _last_safe_cut(buffer, specials)
+            if cut > 0:
+                yield buffer[:cut]
+            carry = buffer[max(cut, 0):]
+
+
+def _last_safe_cut(text: str, specials: Sequence[str]) -> int:
+    """The last position right after a "\n" between two non-space characters that no special
+    token occurrence straddles (see _gpt2_safe_chunks), or -1."""
+    newline = text.rfind("\n", 0, len(text) - 1)
+    while newline > 0:
+        cut = newline + 1
+        if not text[newline - 1].isspace() and not text[cut].isspace():
+            straddled = False
+            for token in specials:
+                found = text.find(token, max(0, cut - len(token) + 1), cut + len(token) - 1)
+                if found != -1 and found < cut:
+                    straddled = True
+                    break
+            if not straddled:
+                return cut
+        newline = text.rfind("\n", 0, newline)
+    return -1
 
 
 def _decode(data: bytes, errors: str, what: str) -> str:
@@ -251,7 +307,7 @@ def _fallback_count_pretokens(
     splitter = regex.compile("|".join(regex.escape(t) for t in specials)) if specials else None
     chunked = pattern == "gpt2"
     counts: Counter[str] = Counter()
-    for text in _fallback_documents(inputs, errors):
+    for text in _fallback_documents(inputs, errors, specials, stream=chunked):
         for piece in splitter.split(text) if splitter is not None else (text,):
             for chunk in _gpt2_safe_chunks(piece) if chunked else (piece,):
                 counts.update(compiled.findall(chunk))
