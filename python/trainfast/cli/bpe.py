@@ -51,15 +51,17 @@ def demo() -> None:
     start = time.perf_counter()
     counts = count_pretokens(iter([text]), special_tokens=(special,), show_progress=False)
     pretok_s = time.perf_counter() - start
-    start = time.perf_counter()
-    _, merges = train_from_counts(counts, 500, [special], show_progress=False)
-    native_s = time.perf_counter() - start
+    native_s = float("inf")
+    for _ in range(3):  # best of 3: the first call also loads the extension
+        start = time.perf_counter()
+        _, merges = train_from_counts(counts, 500, [special], show_progress=False)
+        native_s = min(native_s, time.perf_counter() - start)
     start = time.perf_counter()
     python_merges = _naive_python_merges(counts, 500 - 257)
     python_s = time.perf_counter() - start
     shown = ", ".join(f"{(a + b).decode('utf-8', 'replace')!r}" for a, b in merges[:8])
     print(f"  first merges: {shown}, ...")
-    print(f"  pre-tokenize {pretok_s * 1e3:.1f} ms; merges: native {native_s * 1e3:.2f} ms vs naive Python "
+    print(f"  pre-tokenize {pretok_s * 1e3:.1f} ms; merges: native {native_s * 1e3:.2f} ms (best of 3) vs naive Python "
           f"(recount every step) {python_s * 1e3:.0f} ms = {python_s / native_s:.0f}x, "
           f"identical={merges == python_merges}")
 
