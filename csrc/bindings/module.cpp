@@ -18,4 +18,5 @@ PYBIND11_MODULE(_core, m) {
   trainfast::bindings::register_pipeline(m);
   trainfast::bindings::register_eplb(m);
   trainfast::bindings::register_bpe_pretokenize(m);
+  trainfast::bindings::register_bpe_train(m);
 }
