@@ -14,4 +14,5 @@ PYBIND11_MODULE(_core, m) {
     }
   });
   trainfast::bindings::register_checkpoint(m);
+  trainfast::bindings::register_bpe_pretokenize(m);
 }

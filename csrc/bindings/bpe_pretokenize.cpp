@@ -1,0 +1,219 @@
+// Bindings for the BPE pre-tokenizer: str in / list[str] out, and a streaming pre-token counter
+// over files and in-memory documents returning dict[bytes, int].
+#include <cerrno>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "bindings/common.h"
+#include "bpe/pretokenize.h"
+
+namespace trainfast::bindings {
+namespace {
+
+using bpe::Pattern;
+using bpe::Utf8Errors;
+
+Pattern to_pattern(int pattern) {
+  if (pattern < 0 || pattern > 2) {
+    throw py::value_error("pattern must be 0 (gpt2), 1 (cl100k) or 2 (o200k) (got " + std::to_string(pattern) + ")");
+  }
+  return static_cast<Pattern>(pattern);
+}
+
+Utf8Errors to_errors(int errors) {
+  if (errors < 0 || errors > 2) {
+    throw py::value_error("errors must be 0 (strict), 1 (replace) or 2 (ignore) (got " + std::to_string(errors) + ")");
+  }
+  return static_cast<Utf8Errors>(errors);
+}
+
+// UTF-8 of a str; `owner` keeps alive a surrogatepass encoding when the str has lone surrogates.
+std::string_view utf8_of(const py::handle& text, py::object& owner, bool allow_surrogates, const std::string& name) {
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(text.ptr(), &size);
+  if (data != nullptr) return {data, static_cast<size_t>(size)};
+  PyErr_Clear();
+  if (!allow_surrogates) {
+    throw py::value_error(name + " contains a lone surrogate, which has no UTF-8 encoding");
+  }
+  PyObject* encoded = PyUnicode_AsEncodedString(text.ptr(), "utf-8", "surrogatepass");
+  if (encoded == nullptr) throw py::error_already_set();
+  owner = py::reinterpret_steal<py::object>(encoded);
+  return {PyBytes_AS_STRING(encoded), static_cast<size_t>(PyBytes_GET_SIZE(encoded))};
+}
+
+std::vector<std::string> special_token_bytes(const py::list& special_tokens) {
+  std::vector<std::string> out;
+  out.reserve(special_tokens.size());
+  for (size_t k = 0; k < special_tokens.size(); ++k) {
+    py::handle token = special_tokens[k];
+    if (!PyUnicode_Check(token.ptr())) {
+      throw py::type_error("special_tokens[" + std::to_string(k) + "] must be a str (got " +
+                           std::string(py::str(py::type::handle_of(token).attr("__name__"))) + ")");
+    }
+    py::object owner;
+    out.emplace_back(utf8_of(token, owner, false, "special_tokens[" + std::to_string(k) + "]"));
+  }
+  return out;
+}
+
+py::list pretokenize(const py::str& text, int pattern, const py::list& special_tokens) {
+  const bpe::SpecialTokenMatcher specials(special_token_bytes(special_tokens));
+  py::object owner;
+  const std::string_view utf8 = utf8_of(text, owner, true, "text");
+  std::vector<bpe::Piece> pieces;
+  {
+    py::gil_scoped_release release;
+    pieces = bpe::split_and_pretokenize(utf8, to_pattern(pattern), specials);
+  }
+  py::list out(pieces.size());
+  const bool ascii = PyUnicode_IS_ASCII(text.ptr());
+  Py_ssize_t char_pos = 0;  // code point index of pieces[k].begin
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const auto& piece = pieces[k];
+    Py_ssize_t char_end;
+    if (ascii) {
+      char_end = static_cast<Py_ssize_t>(piece.end);
+    } else {
+      char_end = char_pos;
+      for (size_t b = piece.begin; b < piece.end; ++b) char_end += (static_cast<uint8_t>(utf8[b]) & 0xC0) != 0x80;
+    }
+    PyObject* sub = PyUnicode_Substring(text.ptr(), ascii ? static_cast<Py_ssize_t>(piece.begin) : char_pos, char_end);
+    if (sub == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(k), sub);
+    char_pos = char_end;
+  }
+  return out;
+}
+
+// Ctrl-C polling that also reports progress (bytes counted so far) to a Python callable.
+Interrupt progress_interrupt(const py::object& progress, const std::atomic<int64_t>& bytes_done) {
+  return Interrupt([&progress, &bytes_done] {
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) {
+      PyErr_Clear();
+      return true;
+    }
+    if (!progress.is_none()) {
+      try {
+        progress(bytes_done.load(std::memory_order_relaxed));
+      } catch (py::error_already_set&) {
+        // progress display is best effort
+      }
+    }
+    return false;
+  }, std::chrono::milliseconds(100));
+}
+
+class Counter {
+ public:
+  Counter(int pattern, const py::list& special_tokens, int errors, int num_threads, size_t chunk_bytes,
+          size_t block_bytes) {
+    bpe::CountOptions options;
+    options.pattern = to_pattern(pattern);
+    options.special_tokens = special_token_bytes(special_tokens);
+    options.errors = to_errors(errors);
+    options.num_threads = num_threads;
+    if (chunk_bytes > 0) options.chunk_bytes = chunk_bytes;
+    if (block_bytes > 0) options.block_bytes = block_bytes;
+    counter_ = std::make_unique<bpe::PretokenCounter>(std::move(options));
+  }
+
+  void add_file(const std::string& path, const py::object& progress) {
+    std::atomic<int64_t> bytes_done{0};
+    Interrupt interrupt = progress_interrupt(progress, bytes_done);
+    {
+      py::gil_scoped_release release;
+      counter_->add_file(path, &interrupt, &bytes_done);
+    }
+    if (!progress.is_none()) progress(bytes_done.load());
+  }
+
+  void add_documents(const py::list& documents, int64_t first_index, const py::object& progress) {
+    const size_t num_docs = documents.size();
+    std::vector<std::string_view> views(num_docs);
+    std::vector<uint8_t> is_text(num_docs);
+    std::vector<py::object> owners;
+    for (size_t k = 0; k < num_docs; ++k) {
+      py::handle doc = documents[k];
+      const std::string name = "inputs[" + std::to_string(first_index + static_cast<int64_t>(k)) + "]";
+      if (PyUnicode_Check(doc.ptr())) {
+        py::object owner;
+        views[k] = utf8_of(doc, owner, false, name);
+        is_text[k] = 1;
+      } else if (PyBytes_Check(doc.ptr())) {
+        views[k] = {PyBytes_AS_STRING(doc.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(doc.ptr()))};
+      } else {
+        throw py::type_error(name + " must be str or bytes (got " +
+                             std::string(py::str(py::type::handle_of(doc).attr("__name__"))) + ")");
+      }
+    }
+    std::atomic<int64_t> bytes_done{0};
+    Interrupt interrupt = progress_interrupt(progress, bytes_done);
+    {
+      py::gil_scoped_release release;
+      // Consecutive documents of one kind go together, keeping first-occurrence order.
+      for (size_t begin = 0; begin < num_docs;) {
+        size_t end = begin + 1;
+        while (end < num_docs && is_text[end] == is_text[begin]) ++end;
+        std::vector<std::string> names;
+        if (!is_text[begin]) {
+          for (size_t k = begin; k < end; ++k) names.push_back("inputs[" + std::to_string(first_index + static_cast<int64_t>(k)) + "]");
+        }
+        counter_->add_documents(std::span<const std::string_view>(views.data() + begin, end - begin),
+                                is_text[begin] != 0, names, &interrupt, &bytes_done);
+        begin = end;
+      }
+    }
+    if (!progress.is_none()) progress(bytes_done.load());
+  }
+
+  py::dict finish() {
+    bpe::PretokenCounts counts;
+    {
+      py::gil_scoped_release release;
+      counts = counter_->finish();
+    }
+    py::dict out;
+    for (size_t k = 0; k < counts.pretokens.size(); ++k) {
+      const std::string& key = counts.pretokens[k];
+      py::object key_obj = py::reinterpret_steal<py::object>(
+          PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size())));
+      py::object value = py::reinterpret_steal<py::object>(PyLong_FromLongLong(counts.counts[k]));
+      if (!key_obj || !value) throw py::error_already_set();
+      if (PyDict_SetItem(out.ptr(), key_obj.ptr(), value.ptr()) != 0) throw py::error_already_set();
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<bpe::PretokenCounter> counter_;
+};
+
+}  // namespace
+
+void register_bpe_pretokenize(py::module_& m) {
+  // A file that cannot be read is an OSError (FileNotFoundError, ...) carrying errno and the path.
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const bpe::FileError& e) {
+      errno = e.error_number();
+      PyErr_SetFromErrnoWithFilename(PyExc_OSError, e.path().c_str());
+    }
+  });
+  m.def("bpe_pretokenize", &pretokenize, py::arg("text"), py::arg("pattern"), py::arg("special_tokens"),
+        "Pre-tokens and special tokens of text, in order (pattern: 0 gpt2, 1 cl100k, 2 o200k).");
+  py::class_<Counter>(m, "BpePretokenCounter", "Counts pre-tokens over files and documents.")
+      .def(py::init<int, const py::list&, int, int, size_t, size_t>(), py::arg("pattern"),
+           py::arg("special_tokens"), py::arg("errors"), py::arg("num_threads"), py::arg("chunk_bytes") = 0,
+           py::arg("block_bytes") = 0)
+      .def("add_file", &Counter::add_file, py::arg("path"), py::arg("progress") = py::none())
+      .def("add_documents", &Counter::add_documents, py::arg("documents"), py::arg("first_index") = 0,
+           py::arg("progress") = py::none())
+      .def("finish", &Counter::finish, "dict[bytes, int] in first-occurrence order; empties the counter.");
+}
+
+}  // namespace trainfast::bindings

@@ -1,0 +1,929 @@
+#include "bpe/pretokenize.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <numeric>
+#include <thread>
+#include <utility>
+
+#include "bpe/unicode_tables.h"
+#include "common/check.h"
+
+namespace trainfast::bpe {
+namespace {
+
+using unicode::CharClass;
+using unicode::kLetterBoth;
+using unicode::kLower;
+using unicode::kMark;
+using unicode::kNumber;
+using unicode::kOther;
+using unicode::kSpace;
+using unicode::kUpper;
+
+constexpr size_t kNone = static_cast<size_t>(-1);
+
+// Sets of classes as bit masks.
+constexpr uint32_t bit(CharClass c) { return 1u << c; }
+constexpr uint32_t kLetterMask = bit(kUpper) | bit(kLower) | bit(kLetterBoth);       // \p{L}
+constexpr uint32_t kOtherMask = bit(kOther) | bit(kMark);                           // [^\s\p{L}\p{N}]
+constexpr uint32_t kUpperRunMask = bit(kUpper) | bit(kLetterBoth) | bit(kMark);     // o200k [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]
+constexpr uint32_t kLowerRunMask = bit(kLower) | bit(kLetterBoth) | bit(kMark);     // o200k [\p{Ll}\p{Lm}\p{Lo}\p{M}]
+constexpr uint32_t kNumberMask = bit(kNumber);
+
+struct AsciiClasses {
+  uint8_t cls[128];
+  AsciiClasses() {
+    for (int c = 0; c < 128; ++c) cls[c] = unicode::char_class(static_cast<char32_t>(c));
+  }
+};
+const AsciiClasses kAscii;
+
+struct CharInfo {
+  CharClass cls;
+  uint32_t len;
+};
+
+// Decodes the character at s[i] (i < n) leniently: input is UTF-8 with surrogates allowed; a
+// truncated or stray byte counts as one U+FFFD-like "other" character, so scanning stays in bounds.
+inline char32_t decode_at(const uint8_t* s, size_t i, size_t n, uint32_t* len) {
+  const uint8_t b = s[i];
+  if (b < 0x80) {
+    *len = 1;
+    return b;
+  }
+  if (b >= 0xC0 && b < 0xE0 && i + 1 < n) {
+    *len = 2;
+    return (char32_t{b & 0x1Fu} << 6) | (s[i + 1] & 0x3Fu);
+  }
+  if (b >= 0xE0 && b < 0xF0 && i + 2 < n) {
+    *len = 3;
+    return (char32_t{b & 0x0Fu} << 12) | (char32_t{s[i + 1] & 0x3Fu} << 6) | (s[i + 2] & 0x3Fu);
+  }
+  if (b >= 0xF0 && b < 0xF8 && i + 3 < n) {
+    *len = 4;
+    return (char32_t{b & 0x07u} << 18) | (char32_t{s[i + 1] & 0x3Fu} << 12) |
+           (char32_t{s[i + 2] & 0x3Fu} << 6) | (s[i + 3] & 0x3Fu);
+  }
+  *len = 1;
+  return 0xFFFD;
+}
+
+inline CharInfo char_at(const uint8_t* s, size_t i, size_t n) {
+  const uint8_t b = s[i];
+  if (b < 0x80) return {static_cast<CharClass>(kAscii.cls[b]), 1};
+  uint32_t len;
+  const char32_t cp = decode_at(s, i, n, &len);
+  return {unicode::char_class(cp), len};
+}
+
+inline bool in(uint32_t mask, CharClass c) { return (mask >> c) & 1u; }
+
+// End of the maximal run of characters whose class is in `mask`, starting at i.
+inline size_t run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
+  while (i < n) {
+    const uint8_t b = s[i];
+    if (b < 0x80) {
+      if (!in(mask, static_cast<CharClass>(kAscii.cls[b]))) break;
+      ++i;
+    } else {
+      const CharInfo c = char_at(s, i, n);
+      if (!in(mask, c.cls)) break;
+      i += c.len;
+    }
+  }
+  return i;
+}
+
+// The contraction letter (one of "sdmtlvre") that `(?i:x)` matches for cp, else 0.
+inline char fold_letter(char32_t cp) {
+  if (cp < 0x80) {
+    const char lower = static_cast<char>(cp >= 'A' && cp <= 'Z' ? cp + 32 : cp);
+    switch (lower) {
+      case 's': case 'd': case 'm': case 't': case 'l': case 'v': case 'r': case 'e':
+        break;
+      default:
+        return 0;
+    }
+  }
+  auto member = [cp](const auto& set) { return std::find(std::begin(set), std::end(set), cp) != std::end(set); };
+  if (member(unicode::kFold_s)) return 's';
+  if (member(unicode::kFold_d)) return 'd';
+  if (member(unicode::kFold_m)) return 'm';
+  if (member(unicode::kFold_t)) return 't';
+  if (member(unicode::kFold_l)) return 'l';
+  if (member(unicode::kFold_v)) return 'v';
+  if (member(unicode::kFold_r)) return 'r';
+  if (member(unicode::kFold_e)) return 'e';
+  return 0;
+}
+
+// A maximal whitespace run from i: its end, the start of its last character, its length in
+// characters (capped at 2) and the end of its last "\r" or "\n" (kNone when it has none).
+struct SpaceRun {
+  size_t end;
+  size_t last_start;
+  int count;
+  size_t newline_end;
+};
+
+inline SpaceRun space_run(const uint8_t* s, size_t i, size_t n) {
+  SpaceRun run{i, i, 0, kNone};
+  while (run.end < n) {
+    const CharInfo c = char_at(s, run.end, n);
+    if (c.cls != kSpace) break;
+    if (s[run.end] == '\r' || s[run.end] == '\n') run.newline_end = run.end + 1;
+    run.last_start = run.end;
+    run.end += c.len;
+    if (run.count < 2) ++run.count;
+  }
+  return run;
+}
+
+inline uint32_t group_mask(CharClass c) {
+  if (in(kLetterMask, c)) return kLetterMask;
+  if (c == kNumber) return kNumberMask;
+  return kOtherMask;
+}
+
+// '(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
+  const uint8_t c = s[i];
+  if (c == '\'' && i + 1 < n) {  // contractions: ASCII lower case only
+    const uint8_t c1 = s[i + 1];
+    if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') return i + 2;
+    if (i + 2 < n) {
+      const uint8_t c2 = s[i + 2];
+      if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) return i + 3;
+    }
+  }
+  const CharInfo first = char_at(s, i, n);
+  if (first.cls != kSpace) return run_end(s, i + first.len, n, group_mask(first.cls));
+  if (c == ' ' && i + 1 < n) {
+    // Every non-space character is \p{L}, \p{N} or [^\s\p{L}\p{N}]: one of the " ?X+" alternatives.
+    const CharInfo next = char_at(s, i + 1, n);
+    if (next.cls != kSpace) return run_end(s, i + 1 + next.len, n, group_mask(next.cls));
+  }
+  const SpaceRun run = space_run(s, i, n);
+  if (run.end == n || run.count == 1) return run.end;  // \s+(?!\S) at the end, else \s+
+  return run.last_start;                               // \s+(?!\S) gives back the last space
+}
+
+// Up to three \p{N} from i (which is one).
+inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first_len) {
+  size_t j = i + first_len;
+  for (int k = 1; k < 3 && j < n; ++k) {
+    const CharInfo c = char_at(s, j, n);
+    if (c.cls != kNumber) break;
+    j += c.len;
+  }
+  return j;
+}
+
+// '(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s
+size_t cl100k_next(const uint8_t* s, size_t i, size_t n) {
+  const uint8_t c = s[i];
+  if (c == '\'' && i + 1 < n) {
+    uint32_t len1;
+    const char l1 = fold_letter(decode_at(s, i + 1, n, &len1));
+    if (l1 == 's' || l1 == 'd' || l1 == 'm' || l1 == 't') return i + 1 + len1;
+    if ((l1 == 'l' || l1 == 'v' || l1 == 'r') && i + 1 + len1 < n) {
+      uint32_t len2;
+      const char l2 = fold_letter(decode_at(s, i + 1 + len1, n, &len2));
+      if ((l1 == 'l' && l2 == 'l') || (l1 != 'l' && l2 == 'e')) return i + 1 + len1 + len2;
+    }
+  }
+  const CharInfo first = char_at(s, i, n);
+  if (in(kLetterMask, first.cls)) return run_end(s, i + first.len, n, kLetterMask);
+  if (first.cls == kNumber) return numbers_upto3(s, i, n, first.len);
+  // [^\r\n\p{L}\p{N}]?+\p{L}++ with the prefix: possessive, so no other split of it is tried.
+  if (c != '\r' && c != '\n' && i + first.len < n) {
+    const CharInfo next = char_at(s, i + first.len, n);
+    if (in(kLetterMask, next.cls)) return run_end(s, i + first.len + next.len, n, kLetterMask);
+  }
+  size_t other_end = kNone;
+  if (in(kOtherMask, first.cls)) {
+    other_end = run_end(s, i + first.len, n, kOtherMask);
+  } else if (c == ' ' && i + 1 < n) {
+    const CharInfo next = char_at(s, i + 1, n);
+    if (in(kOtherMask, next.cls)) other_end = run_end(s, i + 1 + next.len, n, kOtherMask);
+  }
+  if (other_end != kNone) {
+    while (other_end < n && (s[other_end] == '\r' || s[other_end] == '\n')) ++other_end;
+    return other_end;
+  }
+  const SpaceRun run = space_run(s, i, n);
+  if (run.end == n) return n;                           // \s++$
+  if (run.newline_end != kNone) return run.newline_end;  // \s*[\r\n]
+  if (run.count == 2) return run.last_start;             // \s+(?!\S)
+  return run.end;                                        // \s
+}
+
+// o200k [Upper]*[Lower]+ from i: kNone when it does not match. Greedy [Upper]* backtracks until
+// [Lower]+ can start, so it ends after the last "both" character of the upper run unless a
+// \p{Ll} follows the run.
+inline size_t o200k_word_lower(const uint8_t* s, size_t i, size_t n) {
+  size_t j = i;
+  size_t both_end = kNone;
+  while (j < n) {
+    const CharInfo c = char_at(s, j, n);
+    if (!in(kUpperRunMask, c.cls)) {
+      if (c.cls == kLower) return run_end(s, j + c.len, n, kLowerRunMask);
+      break;
+    }
+    j += c.len;
+    if (c.cls != kUpper) both_end = j;
+  }
+  return both_end;
+}
+
+// o200k [Upper]+[Lower]* from i: kNone when it does not match.
+inline size_t o200k_word_upper(const uint8_t* s, size_t i, size_t n) {
+  const size_t j = run_end(s, i, n, kUpperRunMask);
+  if (j == i) return kNone;
+  return run_end(s, j, n, kLowerRunMask);
+}
+
+// (?i:'s|'t|'re|'ve|'m|'ll|'d)? after a word ending at e.
+inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
+  if (e + 1 >= n || s[e] != '\'') return e;
+  uint32_t len1;
+  const char l1 = fold_letter(decode_at(s, e + 1, n, &len1));
+  if (l1 == 's' || l1 == 't' || l1 == 'm' || l1 == 'd') return e + 1 + len1;
+  if ((l1 == 'r' || l1 == 'v' || l1 == 'l') && e + 1 + len1 < n) {
+    uint32_t len2;
+    const char l2 = fold_letter(decode_at(s, e + 1 + len1, n, &len2));
+    if ((l1 == 'l' && l2 == 'l') || (l1 != 'l' && l2 == 'e')) return e + 1 + len1 + len2;
+  }
+  return e;
+}
+
+// [^\r\n\p{L}\p{N}]?[Upper]*[Lower]+C?|[^\r\n\p{L}\p{N}]?[Upper]+[Lower]*C?|\p{N}{1,3}
+// | ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+   (Upper, Lower, C as in tiktoken's o200k)
+size_t o200k_next(const uint8_t* s, size_t i, size_t n) {
+  const uint8_t c = s[i];
+  const CharInfo first = char_at(s, i, n);
+  const bool prefixable = c != '\r' && c != '\n' && !in(kLetterMask | kNumberMask, first.cls);
+  const size_t after = i + first.len;
+  size_t e;
+  // Backtracking order: optional prefix taken first, then not; the first alternative, then the second.
+  if (prefixable && after < n && (e = o200k_word_lower(s, after, n)) != kNone) return o200k_contraction(s, e, n);
+  if ((e = o200k_word_lower(s, i, n)) != kNone) return o200k_contraction(s, e, n);
+  if (prefixable && after < n && (e = o200k_word_upper(s, after, n)) != kNone) return o200k_contraction(s, e, n);
+  if ((e = o200k_word_upper(s, i, n)) != kNone) return o200k_contraction(s, e, n);
+  if (first.cls == kNumber) return numbers_upto3(s, i, n, first.len);
+  size_t other_end = kNone;
+  if (in(kOtherMask, first.cls)) {
+    other_end = run_end(s, after, n, kOtherMask);
+  } else if (c == ' ' && after < n) {
+    const CharInfo next = char_at(s, after, n);
+    if (in(kOtherMask, next.cls)) other_end = run_end(s, after + next.len, n, kOtherMask);
+  }
+  if (other_end != kNone) {
+    while (other_end < n && (s[other_end] == '\r' || s[other_end] == '\n' || s[other_end] == '/')) ++other_end;
+    return other_end;
+  }
+  const SpaceRun run = space_run(s, i, n);
+  if (run.newline_end != kNone) return run.newline_end;  // \s*[\r\n]+
+  if (run.end == n || run.count == 1) return run.end;    // \s+(?!\S) at the end, else \s+
+  return run.last_start;                                 // \s+(?!\S)
+}
+
+template <Pattern P>
+inline size_t next_end(const uint8_t* s, size_t i, size_t n) {
+  if constexpr (P == Pattern::kGpt2) return gpt2_next(s, i, n);
+  if constexpr (P == Pattern::kCl100k) return cl100k_next(s, i, n);
+  if constexpr (P == Pattern::kO200k) return o200k_next(s, i, n);
+}
+
+// Whether cutting text at byte p (0 < p < n) leaves every pre-token unchanged:
+//   findall(text) == findall(text[:p]) + findall(text[p:]).
+// Proof sketch. The rule needs text[p] = an ASCII \s character and text[p-1] (a character) not \s.
+// (1) A pre-token of the whole text ends at p: the one holding text[p-1] is not a whitespace
+//     token, and no non-whitespace alternative continues over an \s character, except
+//     cl100k's `[^\s\p{L}\p{N}]++[\r\n]*+` and o200k's `[^\s\p{L}\p{N}]+[\r\n/]*`, which can
+//     take a "\r"/"\n" after punctuation. So for cl100k/o200k a "\r"/"\n" at p also needs
+//     text[p-1] in \p{L} or \p{N}: those characters are never inside such a punctuation token.
+//     (A space prefix or o200k's [^\r\n\p{L}\p{N}] prefix belongs to the token after it.)
+// (2) The scans left of p agree: every match attempt before p that looks at text[p] sees an \s
+//     character there, and the same attempt on text[:p] sees the end of the string; no
+//     alternative of these patterns treats the two differently when the attempt starts before
+//     p-1 is passed (runs of \p{L}/\p{N}/[^\s\p{L}\p{N}]/o200k case classes stop at both;
+//     contraction letters fail at both; `(?!\S)` and `$` are only reached from a whitespace
+//     run, which cannot start at or before p-1 and reach p because text[p-1] is not \s).
+// (3) The scans right of p agree: none of the patterns has a look-behind, and by (1) the
+//     whole-text scan starts a fresh match at p, exactly as a scan of text[p:] does.
+// The test suite checks the rule against the unsplit scan on random and corpus text.
+template <Pattern P>
+bool is_safe_split(const uint8_t* s, size_t p, size_t n) {
+  if (p == 0 || p >= n) return false;
+  const uint8_t b = s[p];
+  if (b >= 0x80 || kAscii.cls[b] != kSpace) return false;
+  size_t q = p - 1;
+  while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) --q;
+  const CharInfo prev = char_at(s, q, p);
+  if (q + prev.len != p || prev.cls == kSpace) return false;
+  if (P != Pattern::kGpt2 && (b == '\r' || b == '\n')) return in(kLetterMask | kNumberMask, prev.cls);
+  return true;
+}
+
+template <Pattern P>
+void pretokenize_impl(const uint8_t* s, size_t n, size_t base, std::vector<size_t>& ends) {
+  for (size_t i = 0; i < n;) {
+    i = next_end<P>(s, i, n);
+    ends.push_back(base + i);
+  }
+}
+
+void pretokenize_segment(const uint8_t* s, size_t n, size_t base, Pattern pattern, std::vector<size_t>& ends) {
+  switch (pattern) {
+    case Pattern::kGpt2: return pretokenize_impl<Pattern::kGpt2>(s, n, base, ends);
+    case Pattern::kCl100k: return pretokenize_impl<Pattern::kCl100k>(s, n, base, ends);
+    case Pattern::kO200k: return pretokenize_impl<Pattern::kO200k>(s, n, base, ends);
+  }
+  TF_CHECK_ARG(false, "pattern", static_cast<int>(pattern), "must be gpt2, cl100k or o200k");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counting table: open addressing, keys of up to 8 bytes stored inline, longer ones in an arena.
+
+inline uint64_t load_upto8(const uint8_t* p, uint32_t len) {
+  if (len >= 4) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + len - 4, 4);
+    return uint64_t{lo} | (uint64_t{hi} << (8 * (len - 4)));
+  }
+  if (len == 0) return 0;
+  return uint64_t{p[0]} | (uint64_t{p[len / 2]} << (8 * (len / 2))) | (uint64_t{p[len - 1]} << (8 * (len - 1)));
+}
+
+inline uint64_t mix(uint64_t x) {
+  x ^= x >> 32;
+  x *= 0xD6E8FEB86659FD93ull;
+  x ^= x >> 32;
+  x *= 0xD6E8FEB86659FD93ull;
+  x ^= x >> 32;
+  return x;
+}
+
+inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ len;
+  uint32_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * 0xFF51AFD7ED558CCDull;
+    h ^= h >> 29;
+  }
+  if (i < len) h = (h ^ load_upto8(p + i, len - i)) * 0xC4CEB9FE1A85EC53ull;
+  return mix(h);
+}
+
+class CountTable {
+ public:
+  CountTable() { slots_.resize(kInitialCapacity); }
+
+  void add(const uint8_t* key, uint32_t len, int64_t pos, int64_t count = 1) {
+    const bool short_key = len <= 8;
+    const uint64_t word = short_key ? load_upto8(key, len) : 0;
+    const uint64_t hash = short_key ? mix(word * 0x9E3779B97F4A7C15ull + len) : hash_long(key, len);
+    size_t mask = slots_.size() - 1;
+    for (size_t idx = hash & mask;; idx = (idx + 1) & mask) {
+      Slot& slot = slots_[idx];
+      if (slot.count == 0) {
+        slot.hash = hash;
+        slot.len = len;
+        if (short_key) {
+          slot.data = word;
+        } else {
+          slot.data = arena_.size();
+          arena_.insert(arena_.end(), key, key + len);
+        }
+        slot.count = count;
+        slot.first_pos = pos;
+        if (++size_ * 2 > slots_.size()) grow();
+        return;
+      }
+      if (slot.hash == hash && slot.len == len &&
+          (short_key ? slot.data == word : std::memcmp(arena_.data() + slot.data, key, len) == 0)) {
+        slot.count += count;
+        if (pos < slot.first_pos) slot.first_pos = pos;
+        return;
+      }
+    }
+  }
+
+  template <typename Fn>
+  void for_each(Fn&& fn) const {
+    for (const Slot& slot : slots_) {
+      if (slot.count == 0) continue;
+      if (slot.len <= 8) {
+        uint8_t bytes[8];
+        std::memcpy(bytes, &slot.data, 8);
+        fn(bytes, slot.len, slot.count, slot.first_pos);
+      } else {
+        fn(arena_.data() + slot.data, slot.len, slot.count, slot.first_pos);
+      }
+    }
+  }
+
+  size_t size() const { return size_; }
+  void clear() {
+    slots_.assign(kInitialCapacity, Slot{});
+    arena_.clear();
+    arena_.shrink_to_fit();
+    size_ = 0;
+  }
+
+ private:
+  struct Slot {
+    uint64_t hash = 0;
+    uint64_t data = 0;  // the key bytes (len <= 8) or its arena offset
+    int64_t count = 0;  // 0: empty slot
+    int64_t first_pos = 0;
+    uint32_t len = 0;
+  };
+  static constexpr size_t kInitialCapacity = 1 << 12;
+
+  void grow() {
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    const size_t mask = slots_.size() - 1;
+    for (const Slot& slot : old) {
+      if (slot.count == 0) continue;
+      size_t idx = slot.hash & mask;
+      while (slots_[idx].count != 0) idx = (idx + 1) & mask;
+      slots_[idx] = slot;
+    }
+  }
+
+  std::vector<Slot> slots_;
+  std::vector<uint8_t> arena_;
+  size_t size_ = 0;
+};
+
+// Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
+// items in order; the calling thread is worker 0 and polls `interrupt` between items.
+void run_workers(size_t num_items, int num_threads, Interrupt* interrupt,
+                 const std::function<void(size_t, int)>& fn) {
+  if (num_items == 0) return;
+  const int num_workers = static_cast<int>(std::min<size_t>(std::max(1, num_threads), num_items));
+  std::atomic<size_t> next{0};
+  std::atomic<bool> stop{false};
+  std::exception_ptr first_error;
+  std::mutex error_mutex;
+  auto loop = [&](int worker) {
+    try {
+      while (!stop.load(std::memory_order_relaxed)) {
+        if (worker == 0 && interrupt != nullptr) interrupt->check();
+        const size_t item = next.fetch_add(1);
+        if (item >= num_items) break;
+        fn(item, worker);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!first_error) first_error = std::current_exception();
+      stop.store(true);
+    }
+  };
+  std::vector<std::thread> threads;
+  try {
+    for (int w = 1; w < num_workers; ++w) threads.emplace_back(loop, w);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (!first_error) first_error = std::current_exception();
+    stop.store(true);
+  }
+  loop(0);
+  for (auto& t : threads) t.join();
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+inline bool has_zero_byte(uint64_t w) { return ((w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull) != 0; }
+
+std::string byte_hex(uint8_t b) {
+  static const char* digits = "0123456789abcdef";
+  return std::string("0x") + digits[b >> 4] + digits[b & 15];
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+void pretokenize(std::string_view text, Pattern pattern, std::vector<size_t>& ends) {
+  pretokenize_segment(reinterpret_cast<const uint8_t*>(text.data()), text.size(), 0, pattern, ends);
+}
+
+SpecialTokenMatcher::SpecialTokenMatcher(std::vector<std::string> special_tokens) {
+  for (size_t k = 0; k < special_tokens.size(); ++k) {
+    if (special_tokens[k].empty()) {
+      throw std::invalid_argument("special_tokens must not contain an empty string (got one at index " +
+                                  std::to_string(k) + ")");
+    }
+  }
+  std::stable_sort(special_tokens.begin(), special_tokens.end(),
+                   [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  for (auto& token : special_tokens) {
+    if (std::find(tokens_.begin(), tokens_.end(), token) != tokens_.end()) continue;
+    max_length_ = std::max(max_length_, token.size());
+    const auto first = static_cast<unsigned char>(token[0]);
+    if (!first_byte_[first]) {
+      first_byte_[first] = true;
+      ++num_first_bytes_;
+      only_first_byte_ = first;
+    }
+    tokens_.push_back(std::move(token));
+  }
+}
+
+std::pair<size_t, size_t> SpecialTokenMatcher::find(std::string_view text, size_t from) const {
+  const size_t n = text.size();
+  if (tokens_.empty()) return {n, 0};
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  for (size_t i = from; i < n; ++i) {
+    if (num_first_bytes_ == 1) {
+      const void* hit = std::memchr(s + i, only_first_byte_, n - i);
+      if (hit == nullptr) return {n, 0};
+      i = static_cast<const unsigned char*>(hit) - s;
+    } else if (!first_byte_[s[i]]) {
+      continue;
+    }
+    for (const std::string& token : tokens_) {  // longest first
+      if (token.size() <= n - i && std::memcmp(s + i, token.data(), token.size()) == 0) return {i, token.size()};
+    }
+  }
+  return {n, 0};
+}
+
+bool SpecialTokenMatcher::straddles(std::string_view text, size_t p) const {
+  for (const std::string& token : tokens_) {
+    const size_t m = token.size();
+    for (size_t k = 1; k < m && k <= p; ++k) {
+      const size_t start = p - k;
+      if (start + m <= text.size() && std::memcmp(text.data() + start, token.data(), m) == 0) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
+                                         const SpecialTokenMatcher& specials) {
+  std::vector<Piece> pieces;
+  std::vector<size_t> ends;
+  const auto* s = reinterpret_cast<const uint8_t*>(text.data());
+  size_t i = 0;
+  while (i <= text.size()) {
+    const auto [special_start, special_len] = specials.find(text, i);
+    ends.clear();
+    pretokenize_segment(s + i, special_start - i, i, pattern, ends);
+    size_t begin = i;
+    for (size_t end : ends) {
+      pieces.push_back({begin, end, false});
+      begin = end;
+    }
+    if (special_len == 0) break;
+    pieces.push_back({special_start, special_start + special_len, true});
+    i = special_start + special_len;
+  }
+  return pieces;
+}
+
+size_t TextDecoder::decode(const uint8_t* raw, size_t n, bool final, int64_t base_offset,
+                           const std::string& name, std::string& out) {
+  out.reserve(out.size() + n);
+  auto invalid = [&](size_t i, size_t len, const char* reason) {
+    if (errors_ == Utf8Errors::kStrict) {
+      throw DecodeError(name + ": invalid UTF-8 at byte offset " + std::to_string(base_offset + static_cast<int64_t>(i)) +
+                            ": 'utf-8' codec can't decode byte " + byte_hex(raw[i]) + ": " + reason +
+                            " (pass errors='replace' or errors='ignore' to decode anyway)",
+                        base_offset + static_cast<int64_t>(i));
+    }
+    if (errors_ == Utf8Errors::kReplace) {
+      out.append("\xEF\xBF\xBD");
+      skip_lf_ = false;
+    }
+    return i + len;
+  };
+  size_t i = 0;
+  while (i < n) {
+    const uint8_t b = raw[i];
+    if (b < 0x80) {
+      if (b == '\r') {  // universal newlines: "\r" and "\r\n" -> "\n"
+        out.push_back('\n');
+        skip_lf_ = true;
+        ++i;
+        continue;
+      }
+      if (b == '\n' && skip_lf_) {
+        skip_lf_ = false;
+        ++i;
+        continue;
+      }
+      size_t j = i + 1;
+      while (j + 8 <= n) {  // ASCII without "\r", eight bytes at a time
+        uint64_t w;
+        std::memcpy(&w, raw + j, 8);
+        if ((w & 0x8080808080808080ull) != 0 || has_zero_byte(w ^ 0x0D0D0D0D0D0D0D0Dull)) break;
+        j += 8;
+      }
+      while (j < n && raw[j] < 0x80 && raw[j] != '\r') ++j;
+      out.append(reinterpret_cast<const char*>(raw + i), j - i);
+      skip_lf_ = false;
+      i = j;
+      continue;
+    }
+    // Well-formed sequences (Unicode Table 3-7); an ill-formed one is replaced by maximal
+    // subparts, as Python's decoder does.
+    int need;
+    uint8_t lo = 0x80, hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) {
+      need = 1;
+    } else if (b == 0xE0) {
+      need = 2, lo = 0xA0;
+    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
+      need = 2;
+    } else if (b == 0xED) {
+      need = 2, hi = 0x9F;
+    } else if (b == 0xF0) {
+      need = 3, lo = 0x90;
+    } else if (b >= 0xF1 && b <= 0xF3) {
+      need = 3;
+    } else if (b == 0xF4) {
+      need = 3, hi = 0x8F;
+    } else {
+      i = invalid(i, 1, "invalid start byte");
+      continue;
+    }
+    size_t k = 1;
+    for (; k <= static_cast<size_t>(need); ++k) {
+      if (i + k >= n) break;
+      const uint8_t cb = raw[i + k];
+      if (cb < (k == 1 ? lo : 0x80) || cb > (k == 1 ? hi : 0xBF)) break;
+    }
+    if (k > static_cast<size_t>(need)) {
+      out.append(reinterpret_cast<const char*>(raw + i), need + 1);
+      skip_lf_ = false;
+      i += need + 1;
+    } else if (i + k >= n) {
+      if (!final) return i;  // unfinished: wait for more bytes
+      i = invalid(i, k, "unexpected end of data");
+    } else {
+      i = invalid(i, k, "invalid continuation byte");
+    }
+  }
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct PretokenCounter::Impl {
+  CountOptions options;
+  SpecialTokenMatcher specials;
+  std::vector<CountTable> tables;  // one per worker
+  int64_t stream_pos = 0;          // decoded bytes of all inputs so far: orders first occurrences
+
+  explicit Impl(CountOptions opts) : options(std::move(opts)), specials(options.special_tokens) {
+    TF_CHECK_ARG(options.num_threads >= 1, "num_threads", options.num_threads, "must be >= 1");
+    TF_CHECK_ARG(options.chunk_bytes >= 1, "chunk_bytes", options.chunk_bytes, "must be >= 1");
+    TF_CHECK_ARG(options.block_bytes >= 16, "block_bytes", options.block_bytes, "must be >= 16");
+    const int p = static_cast<int>(options.pattern);
+    TF_CHECK_ARG(p >= 0 && p <= 2, "pattern", p, "must be gpt2, cl100k or o200k");
+    tables.resize(options.num_threads);
+  }
+
+  struct Chunk {
+    const uint8_t* data;
+    size_t size;
+    int64_t pos;
+  };
+
+  bool safe_split(const uint8_t* s, size_t p, size_t n) const {
+    bool safe = false;
+    switch (options.pattern) {
+      case Pattern::kGpt2: safe = is_safe_split<Pattern::kGpt2>(s, p, n); break;
+      case Pattern::kCl100k: safe = is_safe_split<Pattern::kCl100k>(s, p, n); break;
+      case Pattern::kO200k: safe = is_safe_split<Pattern::kO200k>(s, p, n); break;
+    }
+    return safe && !specials.straddles(std::string_view(reinterpret_cast<const char*>(s), n), p);
+  }
+
+  // Cuts text[0:n) into chunks of about chunk_bytes at safe points before `limit`; returns the
+  // end of the last chunk cut (the rest is left for the caller).
+  size_t cut(const uint8_t* s, size_t n, size_t limit, int64_t pos, std::vector<Chunk>& chunks) const {
+    size_t start = 0;
+    while (start + options.chunk_bytes < limit) {
+      size_t p = start + options.chunk_bytes;
+      while (p < limit && !safe_split(s, p, n)) ++p;
+      if (p >= limit) break;
+      chunks.push_back({s + start, p - start, pos + static_cast<int64_t>(start)});
+      start = p;
+    }
+    return start;
+  }
+
+  template <Pattern P>
+  void count_segment(const uint8_t* s, size_t n, int64_t pos, CountTable& table) const {
+    for (size_t i = 0; i < n;) {
+      const size_t e = next_end<P>(s, i, n);
+      table.add(s + i, static_cast<uint32_t>(e - i), pos + static_cast<int64_t>(i));
+      i = e;
+    }
+  }
+
+  template <Pattern P>
+  void count_chunk_impl(const Chunk& chunk, CountTable& table) const {
+    if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, chunk.pos, table);
+    const std::string_view text(reinterpret_cast<const char*>(chunk.data), chunk.size);
+    size_t i = 0;
+    while (i < chunk.size) {
+      const auto [start, len] = specials.find(text, i);
+      count_segment<P>(chunk.data + i, start - i, chunk.pos + static_cast<int64_t>(i), table);
+      if (len == 0) break;
+      i = start + len;
+    }
+  }
+
+  void count_chunk(const Chunk& chunk, CountTable& table) const {
+    switch (options.pattern) {
+      case Pattern::kGpt2: return count_chunk_impl<Pattern::kGpt2>(chunk, table);
+      case Pattern::kCl100k: return count_chunk_impl<Pattern::kCl100k>(chunk, table);
+      case Pattern::kO200k: return count_chunk_impl<Pattern::kO200k>(chunk, table);
+    }
+  }
+
+  // Counts chunks in parallel; consecutive small chunks are grouped into work items.
+  void count_chunks(const std::vector<Chunk>& chunks, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
+    std::vector<size_t> item_starts;
+    size_t bytes = 0;
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      if (item_starts.empty() || bytes >= options.chunk_bytes) {
+        item_starts.push_back(k);
+        bytes = 0;
+      }
+      bytes += chunks[k].size;
+    }
+    item_starts.push_back(chunks.size());
+    run_workers(item_starts.size() - 1, options.num_threads, interrupt, [&](size_t item, int worker) {
+      int64_t item_bytes = 0;
+      for (size_t k = item_starts[item]; k < item_starts[item + 1]; ++k) {
+        count_chunk(chunks[k], tables[worker]);
+        item_bytes += static_cast<int64_t>(chunks[k].size);
+      }
+      if (bytes_done != nullptr) bytes_done->fetch_add(item_bytes, std::memory_order_relaxed);
+    });
+  }
+
+  // Cuts one whole document of decoded text into chunks.
+  void cut_document(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) {
+    const size_t done = n > 2 * options.chunk_bytes ? cut(s, n, n, stream_pos, chunks) : 0;
+    if (done < n) chunks.push_back({s + done, n - done, stream_pos + static_cast<int64_t>(done)});
+    stream_pos += static_cast<int64_t>(n);
+  }
+};
+
+PretokenCounter::PretokenCounter(CountOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+PretokenCounter::~PretokenCounter() = default;
+
+void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
+  Impl& impl = *impl_;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw FileError(path, errno);
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) throw FileError(path, errno);
+  if (S_ISDIR(info.st_mode)) throw FileError(path, EISDIR);
+  size_t block_bytes = impl.options.block_bytes;
+  if (S_ISREG(info.st_mode) && info.st_size >= 0) {
+    block_bytes = std::min(block_bytes, static_cast<size_t>(info.st_size) + 16);
+  }
+  // Lookahead a cut needs: text[p] and any special token that might straddle p.
+  const size_t lookahead = std::max<size_t>(1, impl.specials.max_length());
+  std::vector<uint8_t> raw(block_bytes);
+  size_t raw_len = 0;      // bytes in raw (an unfinished character carried over comes first)
+  int64_t raw_offset = 0;  // file offset of raw[0]
+  std::string text;        // decoded, not yet counted
+  TextDecoder decoder(impl.options.errors);
+  bool eof = false;
+  while (!eof) {
+    while (raw_len < raw.size()) {
+      const ssize_t got = ::read(fd, raw.data() + raw_len, raw.size() - raw_len);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        throw FileError(path, errno);
+      }
+      if (got == 0) {
+        eof = true;
+        break;
+      }
+      raw_len += static_cast<size_t>(got);
+    }
+    const size_t consumed = decoder.decode(raw.data(), raw_len, eof, raw_offset, path, text);
+    std::memmove(raw.data(), raw.data() + consumed, raw_len - consumed);
+    raw_len -= consumed;
+    raw_offset += static_cast<int64_t>(consumed);
+
+    const auto* s = reinterpret_cast<const uint8_t*>(text.data());
+    std::vector<Impl::Chunk> chunks;
+    size_t done;
+    if (eof) {
+      done = impl.cut(s, text.size(), text.size(), impl.stream_pos, chunks);
+      if (done < text.size()) {
+        chunks.push_back({s + done, text.size() - done, impl.stream_pos + static_cast<int64_t>(done)});
+      }
+      done = text.size();
+    } else {
+      const size_t limit = text.size() > lookahead ? text.size() - lookahead : 0;
+      done = impl.cut(s, text.size(), limit, impl.stream_pos, chunks);
+    }
+    impl.count_chunks(chunks, interrupt, bytes_done);
+    impl.stream_pos += static_cast<int64_t>(done);
+    text.erase(0, done);
+  }
+}
+
+void PretokenCounter::add_documents(std::span<const std::string_view> documents, bool decoded,
+                                    std::span<const std::string> names, Interrupt* interrupt,
+                                    std::atomic<int64_t>* bytes_done) {
+  Impl& impl = *impl_;
+  std::string decoded_text;
+  std::vector<std::pair<size_t, size_t>> ranges;  // into decoded_text
+  if (!decoded) {
+    size_t total = 0;
+    for (auto doc : documents) total += doc.size();
+    decoded_text.reserve(total);
+    for (size_t k = 0; k < documents.size(); ++k) {
+      TextDecoder decoder(impl.options.errors);
+      const size_t begin = decoded_text.size();
+      const std::string name = k < names.size() ? names[k] : "document " + std::to_string(k);
+      decoder.decode(reinterpret_cast<const uint8_t*>(documents[k].data()), documents[k].size(), true, 0,
+                     name, decoded_text);
+      ranges.emplace_back(begin, decoded_text.size());
+    }
+  }
+  std::vector<Impl::Chunk> chunks;
+  for (size_t k = 0; k < documents.size(); ++k) {
+    const uint8_t* s;
+    size_t n;
+    if (decoded) {
+      s = reinterpret_cast<const uint8_t*>(documents[k].data());
+      n = documents[k].size();
+    } else {
+      s = reinterpret_cast<const uint8_t*>(decoded_text.data()) + ranges[k].first;
+      n = ranges[k].second - ranges[k].first;
+    }
+    impl.cut_document(s, n, chunks);
+  }
+  impl.count_chunks(chunks, interrupt, bytes_done);
+}
+
+PretokenCounts PretokenCounter::finish() {
+  Impl& impl = *impl_;
+  CountTable& merged = impl.tables[0];
+  for (size_t w = 1; w < impl.tables.size(); ++w) {
+    impl.tables[w].for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t pos) {
+      merged.add(key, len, pos, count);
+    });
+    impl.tables[w].clear();
+  }
+  struct Entry {
+    int64_t pos;
+    std::string key;
+    int64_t count;
+  };
+  std::vector<Entry> entries;
+  entries.reserve(merged.size());
+  merged.for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t pos) {
+    entries.push_back({pos, std::string(reinterpret_cast<const char*>(key), len), count});
+  });
+  merged.clear();
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.pos < b.pos; });
+  PretokenCounts out;
+  out.pretokens.reserve(entries.size());
+  out.counts.reserve(entries.size());
+  for (auto& entry : entries) {
+    out.pretokens.push_back(std::move(entry.key));
+    out.counts.push_back(entry.count);
+  }
+  impl.stream_pos = 0;
+  return out;
+}
+
+PretokenCounts count_pretokens(const std::vector<std::string>& paths, const CountOptions& options,
+                               Interrupt* interrupt) {
+  PretokenCounter counter(options);
+  for (const auto& path : paths) counter.add_file(path, interrupt);
+  return counter.finish();
+}
+
+}  // namespace trainfast::bpe

@@ -1,0 +1,150 @@
+// BPE pre-tokenization: hand-written scanners equal to `regex.findall` with the GPT-2, cl100k and
+// o200k patterns, special-token splitting, Python-text-mode UTF-8 decoding, and multithreaded
+// counting of pre-tokens over files or in-memory documents.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/parallel.h"
+
+namespace trainfast::bpe {
+
+enum class Pattern : int {
+  kGpt2 = 0,    // '(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+  kCl100k = 1,  // tiktoken cl100k_base
+  kO200k = 2,   // tiktoken o200k_base
+};
+
+enum class Utf8Errors : int { kStrict = 0, kReplace = 1, kIgnore = 2 };
+
+// Appends to `ends` the end byte offset of every pre-token of `text`, as `regex.findall` would cut
+// it (the pre-tokens tile the text). `text` is UTF-8, where encoded surrogates are allowed (a
+// Python str encoded with "surrogatepass"); behaviour on other invalid bytes is unspecified but safe.
+void pretokenize(std::string_view text, Pattern pattern, std::vector<size_t>& ends);
+
+// Splits text at special tokens first, as `regex.split` with the escaped tokens joined longest
+// first: leftmost occurrence wins, and the longest token at that position.
+class SpecialTokenMatcher {
+ public:
+  SpecialTokenMatcher() = default;
+  // Throws std::invalid_argument on an empty token; duplicates are ignored.
+  explicit SpecialTokenMatcher(std::vector<std::string> special_tokens);
+
+  bool empty() const { return tokens_.empty(); }
+  size_t max_length() const { return max_length_; }
+  // Leftmost occurrence at or after `from`: {start, length}; {text.size(), 0} when none.
+  std::pair<size_t, size_t> find(std::string_view text, size_t from) const;
+  // True when some occurrence of some token covers both byte p - 1 and byte p.
+  bool straddles(std::string_view text, size_t p) const;
+
+ private:
+  std::vector<std::string> tokens_;  // longest first
+  size_t max_length_ = 0;
+  bool first_byte_[256] = {};
+  int num_first_bytes_ = 0;
+  unsigned char only_first_byte_ = 0;
+};
+
+// Pre-tokens and special tokens of `text`, as byte ranges: kind 0 = pre-token, 1 = special token.
+struct Piece {
+  size_t begin;
+  size_t end;
+  bool special;
+};
+std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
+                                         const SpecialTokenMatcher& specials);
+
+// Invalid UTF-8 in strict mode: `offset` is the byte offset of the first bad byte in its input.
+class DecodeError : public std::invalid_argument {
+ public:
+  DecodeError(const std::string& message, int64_t offset)
+      : std::invalid_argument(message), offset_(offset) {}
+  int64_t offset() const { return offset_; }
+
+ private:
+  int64_t offset_;
+};
+
+// A file could not be opened or read; `error_number` is errno.
+class FileError : public std::runtime_error {
+ public:
+  FileError(const std::string& path, int error_number)
+      : std::runtime_error(path), path_(path), error_number_(error_number) {}
+  const std::string& path() const { return path_; }
+  int error_number() const { return error_number_; }
+
+ private:
+  std::string path_;
+  int error_number_;
+};
+
+// Decodes UTF-8 like Python's text mode (errors = strict/replace/ignore, then universal newlines:
+// "\r\n" and "\r" become "\n"), incrementally: bytes of an unfinished character or a trailing
+// "\r" are kept until the next call or `final`.
+class TextDecoder {
+ public:
+  explicit TextDecoder(Utf8Errors errors) : errors_(errors) {}
+  // Appends the decoded text of raw[0:n) to `out` and returns how many bytes were consumed (the
+  // rest must be passed again, first, with the next bytes). `base_offset` is the input offset of
+  // raw[0], for error messages; `name` names the input. Throws DecodeError (strict mode).
+  size_t decode(const uint8_t* raw, size_t n, bool final, int64_t base_offset,
+                const std::string& name, std::string& out);
+  void reset() { skip_lf_ = false; }
+
+ private:
+  Utf8Errors errors_;
+  bool skip_lf_ = false;  // the last character written was a translated "\r"
+};
+
+struct PretokenCounts {
+  std::vector<std::string> pretokens;  // unique, in order of first occurrence in the input
+  std::vector<int64_t> counts;         // counts[i] >= 1 occurrences of pretokens[i]
+};
+
+struct CountOptions {
+  Pattern pattern = Pattern::kGpt2;
+  std::vector<std::string> special_tokens;  // split on first, never counted
+  Utf8Errors errors = Utf8Errors::kStrict;
+  int num_threads = 1;
+  size_t block_bytes = size_t{64} << 20;  // file bytes read per step (bounds memory)
+  size_t chunk_bytes = size_t{1} << 20;   // target work unit per thread
+};
+
+// Counts pre-tokens over any number of inputs; each input (file or document) is pre-tokenized on
+// its own. Results never depend on num_threads, block_bytes or chunk_bytes.
+class PretokenCounter {
+ public:
+  explicit PretokenCounter(CountOptions options);
+  ~PretokenCounter();
+  PretokenCounter(const PretokenCounter&) = delete;
+  PretokenCounter& operator=(const PretokenCounter&) = delete;
+
+  // A file, decoded like Python text mode. `bytes_done` (optional) advances by raw bytes read.
+  void add_file(const std::string& path, Interrupt* interrupt = nullptr,
+                std::atomic<int64_t>* bytes_done = nullptr);
+  // Documents: `decoded` ones are UTF-8 text taken as is (no newline translation); the others are
+  // raw bytes decoded like a file. `names` (optional, same length) name them in errors.
+  void add_documents(std::span<const std::string_view> documents, bool decoded,
+                     std::span<const std::string> names = {}, Interrupt* interrupt = nullptr,
+                     std::atomic<int64_t>* bytes_done = nullptr);
+  // The counts so far, in first-occurrence order; the counter is empty afterwards.
+  PretokenCounts finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// One-call form over files.
+PretokenCounts count_pretokens(const std::vector<std::string>& paths, const CountOptions& options,
+                               Interrupt* interrupt = nullptr);
+
+}  // namespace trainfast::bpe

@@ -1,0 +1,337 @@
+"""BPE pre-tokenization equal to ``regex.findall`` with the GPT-2, cl100k or o200k pattern, natively.
+
+``pretokenize(text)`` cuts one str; ``count_pretokens(inputs)`` counts pre-tokens (as UTF-8 bytes)
+over files or documents on all cores, e.g. to train a BPE tokenizer::
+
+    counts = count_pretokens("corpus.txt", special_tokens=["<|endoftext|>"])   # {b" the": 812, ...}
+
+The named patterns (``"gpt2"``, ``"cl100k"``, ``"o200k"``) run hand-written scanners; any other
+regular expression (a pattern string or a compiled ``regex``/``re`` pattern) falls back to the
+``regex`` package in Python on one thread, which is much slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
+
+from trainfast._util import check_choice, resolve_num_threads
+
+__all__ = ["PATTERNS", "count_pretokens", "pretokenize"]
+
+_log = logging.getLogger("trainfast.bpe")
+
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+#: Pattern name -> the regular expression its native scanner reproduces (as ``regex`` runs it).
+PATTERNS = {"gpt2": GPT2_PATTERN, "cl100k": CL100K_PATTERN, "o200k": O200K_PATTERN}
+_NATIVE_ID = {"gpt2": 0, "cl100k": 1, "o200k": 2}
+_ALIASES = {"cl100k_base": "cl100k", "o200k_base": "o200k"}
+_ERRORS = ("strict", "replace", "ignore")
+_NAME_LIKE = re.compile(r"[A-Za-z0-9_]+")
+
+# Documents from an iterable are handed to the native counter in batches of about this size.
+_BATCH_BYTES = 8 << 20
+_BATCH_DOCS = 1 << 16
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _resolve_pattern(pattern: Any) -> tuple[int | None, Any]:
+    """(native scanner id, None) for a known pattern, else (None, compiled regex) for the fallback."""
+    if isinstance(pattern, str):
+        name = _ALIASES.get(pattern, pattern)
+        if name in _NATIVE_ID:
+            return _NATIVE_ID[name], None
+        for known, text in PATTERNS.items():
+            if pattern == text:
+                return _NATIVE_ID[known], None
+        if _NAME_LIKE.fullmatch(pattern):
+            raise ValueError(
+                f"pattern must be one of {', '.join(map(repr, PATTERNS))} or a regular expression "
+                f"(got unknown pattern name {pattern!r}; pass a compiled regex to match it literally)"
+            )
+        return None, _compile(pattern)
+    if hasattr(pattern, "pattern") and hasattr(pattern, "findall"):  # compiled regex / re pattern
+        for known, text in PATTERNS.items():
+            if pattern.pattern == text and type(pattern).__module__.startswith("regex") and _default_flags(pattern):
+                return _NATIVE_ID[known], None
+        return None, pattern
+    raise TypeError(f"pattern must be a str or a compiled regular expression (got {type(pattern).__name__})")
+
+
+def _default_flags(compiled: Any) -> bool:
+    import regex
+
+    return compiled.flags == regex.compile("").flags
+
+
+def _compile(pattern: str) -> Any:
+    try:
+        import regex
+    except ImportError as error:  # pragma: no cover - regex is a test dependency
+        raise ImportError("custom pre-tokenizer patterns need the `regex` package (pip install regex)") from error
+    try:
+        return regex.compile(pattern)
+    except regex.error as error:
+        raise ValueError(f"pattern is not a valid regular expression ({error}): {pattern!r}") from error
+
+
+def _check_special_tokens(special_tokens: Any) -> list[str]:
+    if special_tokens is None:
+        return []
+    if isinstance(special_tokens, (str, bytes)):
+        raise TypeError(f"special_tokens must be a sequence of str, not a single {type(special_tokens).__name__}")
+    try:
+        tokens = list(special_tokens)
+    except TypeError:
+        raise TypeError(
+            f"special_tokens must be a sequence of str (got {type(special_tokens).__name__})"
+        ) from None
+    for idx, token in enumerate(tokens):
+        if not isinstance(token, str):
+            raise TypeError(f"special_tokens[{idx}] must be a str (got {type(token).__name__} {token!r})")
+        if not token:
+            raise ValueError(f"special_tokens must not contain an empty string (got one at index {idx})")
+    return tokens
+
+
+def _special_splitter(tokens: Sequence[str]) -> Any:
+    """``regex.split`` pattern: escaped tokens, longest first, captured so they stay in the output."""
+    import regex
+
+    unique = sorted(dict.fromkeys(tokens), key=len, reverse=True)
+    return regex.compile("(" + "|".join(regex.escape(token) for token in unique) + ")")
+
+
+def _fallback_pieces(text: str, compiled: Any, tokens: Sequence[str]) -> list[str]:
+    if not tokens:
+        return compiled.findall(text)
+    out: list[str] = []
+    for idx, part in enumerate(_special_splitter(tokens).split(text)):
+        if idx % 2:
+            out.append(part)
+        elif part:
+            out.extend(compiled.findall(part))
+    return out
+
+
+def pretokenize(text: str, *, pattern: Any = "gpt2", special_tokens: Sequence[str] = ()) -> list[str]:
+    """Cuts ``text`` into pre-tokens exactly as ``regex.findall(PATTERNS[pattern], text)`` does.
+
+    Special tokens are split off first (leftmost occurrence, longest token where several match
+    there); they appear whole in the output and are not pre-tokenized, so
+    ``"".join(pretokenize(text, ...)) == text`` always holds.
+
+    Args:
+        text: any str (lone surrogates allowed).
+        pattern: ``"gpt2"`` (CS336 / GPT-2), ``"cl100k"`` or ``"o200k"`` (tiktoken), or another
+            regular expression, which falls back to the ``regex`` package (slower).
+        special_tokens: str tokens, none empty.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str (got {type(text).__name__})")
+    native_id, compiled = _resolve_pattern(pattern)
+    tokens = _check_special_tokens(special_tokens)
+    if native_id is None:
+        return _fallback_pieces(text, compiled, tokens)
+    from trainfast import _core
+
+    return _core.bpe_pretokenize(text, native_id, tokens)
+
+
+class _Progress:
+    """Bytes counted so far: a tqdm bar on a terminal, periodic log lines otherwise, or nothing."""
+
+    def __init__(self, enabled: bool, total: int | None):
+        self.enabled = enabled
+        self.done = 0
+        self.base = 0
+        self.bar = None
+        self.last_log = time.monotonic()
+        self.total = total
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="pre-tokenizing")
+
+    def update_to(self, done_in_current: int) -> None:
+        self._set(self.base + done_in_current)
+
+    def finish_input(self, size: int) -> None:
+        self.base += size
+        self._set(self.base)
+
+    def _set(self, done: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(max(0, done - self.done))
+        elif time.monotonic() - self.last_log >= 5.0:
+            self.last_log = time.monotonic()
+            total = f" of {self.total / 1e6:,.1f} MB" if self.total else ""
+            _log.info("pre-tokenizing: %.1f MB%s", done / 1e6, total)
+        self.done = max(self.done, done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            _log.info("pre-tokenized %.1f MB", self.done / 1e6)
+
+
+def _is_path(value: Any) -> bool:
+    return isinstance(value, (str, os.PathLike))
+
+
+def count_pretokens(
+    inputs: PathLike | Sequence[os.PathLike[str]] | Iterable[str | bytes],
+    *,
+    pattern: Any = "gpt2",
+    special_tokens: Sequence[str] = (),
+    num_threads: int | None = None,
+    errors: str = "strict",
+    show_progress: bool = False,
+) -> dict[bytes, int]:
+    """Counts pre-tokens (UTF-8 bytes -> int count) over files or documents.
+
+    Equal to ``Counter(t.encode() for doc in docs for piece in split(doc) for t in
+    regex.findall(PATTERN, piece))`` where ``split`` removes the special tokens (they are never
+    counted); each file and each document is pre-tokenized on its own. The dict lists pre-tokens
+    in order of first occurrence, and does not depend on ``num_threads``.
+
+    Args:
+        inputs: a path (str or ``os.PathLike``), a list/tuple of ``os.PathLike`` paths (e.g.
+            ``pathlib.Path``), or an iterable of documents: ``str`` taken as is, ``bytes`` decoded
+            like a file. (A list of ``str`` is a list of documents, not of paths.) Files and bytes
+            are read like Python's text mode: UTF-8, universal newlines ("\\r\\n", "\\r" -> "\\n").
+        pattern: ``"gpt2"``, ``"cl100k"``, ``"o200k"`` or another regular expression (slow
+            fallback through the ``regex`` package, one thread).
+        special_tokens: str tokens split on first (longest wins), not counted.
+        num_threads: threads (default: $TRAINFAST_NUM_THREADS or all available cores).
+        errors: invalid UTF-8 raises ValueError naming the byte offset (``"strict"``), becomes
+            U+FFFD (``"replace"``) or is dropped (``"ignore"``), as Python's decoder does.
+        show_progress: report bytes processed (tqdm on a terminal, else ``logging``).
+
+    Returns:
+        dict[bytes, int] with int64-range counts.
+    """
+    native_id, compiled = _resolve_pattern(pattern)
+    tokens = _check_special_tokens(special_tokens)
+    threads = resolve_num_threads(num_threads)
+    check_choice(errors, "errors", _ERRORS)
+    if not isinstance(show_progress, bool):
+        raise TypeError(f"show_progress must be a bool (got {type(show_progress).__name__})")
+
+    paths: list[str] | None = None
+    if _is_path(inputs):
+        paths = [os.fspath(inputs)]
+    elif isinstance(inputs, (list, tuple)) and inputs and all(isinstance(item, os.PathLike) for item in inputs):
+        paths = [os.fspath(item) for item in inputs]
+    elif isinstance(inputs, (bytes, bytearray)):
+        raise TypeError("inputs must be a path, a list of paths or an iterable of str/bytes (got a single bytes)")
+    elif not isinstance(inputs, Iterable):
+        raise TypeError(
+            f"inputs must be a path, a list of paths or an iterable of str/bytes (got {type(inputs).__name__})"
+        )
+
+    if paths is not None:
+        for path in paths:
+            if not os.path.exists(path):
+                raise FileNotFoundError(2, "No such file or directory", path)
+        total = sum(os.path.getsize(path) for path in paths if os.path.isfile(path))
+        progress = _Progress(show_progress, total)
+        try:
+            if native_id is None:
+                return _fallback_count_files(paths, compiled, tokens, errors, progress)
+            from trainfast import _core
+
+            counter = _core.BpePretokenCounter(native_id, tokens, _ERRORS.index(errors), threads)
+            for path in paths:
+                counter.add_file(path, progress.update_to if show_progress else None)
+                progress.finish_input(os.path.getsize(path) if os.path.isfile(path) else 0)
+            return counter.finish()
+        finally:
+            progress.close()
+
+    progress = _Progress(show_progress, None)
+    try:
+        if native_id is None:
+            return _fallback_count_documents(inputs, compiled, tokens, errors, progress)
+        from trainfast import _core
+
+        counter = _core.BpePretokenCounter(native_id, tokens, _ERRORS.index(errors), threads)
+        batch: list[str | bytes] = []
+        batch_bytes = 0
+        first_index = 0
+        callback = progress.update_to if show_progress else None
+        for idx, doc in enumerate(inputs):
+            if not isinstance(doc, (str, bytes)):
+                raise TypeError(f"inputs[{idx}] must be str or bytes (got {type(doc).__name__})")
+            batch.append(doc)
+            batch_bytes += len(doc)
+            if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_DOCS:
+                counter.add_documents(batch, first_index, callback)
+                progress.finish_input(batch_bytes)
+                first_index, batch, batch_bytes = idx + 1, [], 0
+        if batch:
+            counter.add_documents(batch, first_index, callback)
+            progress.finish_input(batch_bytes)
+        return counter.finish()
+    finally:
+        progress.close()
+
+
+def _count_text(counts: Counter, text: str, compiled: Any, tokens: Sequence[str]) -> None:
+    special = set(tokens)
+    if tokens:
+        parts = _special_splitter(tokens).split(text)
+        for idx, part in enumerate(parts):
+            if idx % 2 == 0:
+                counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
+    else:
+        counts.update(piece.encode("utf-8") for piece in compiled.findall(text))
+    del special
+
+
+def _fallback_count_files(paths, compiled, tokens, errors, progress) -> dict[bytes, int]:
+    counts: Counter = Counter()
+    for path in paths:
+        with open(path, encoding="utf-8", errors=errors, newline=None) as handle:
+            _count_text(counts, handle.read(), compiled, tokens)
+        progress.finish_input(os.path.getsize(path))
+    return dict(counts)
+
+
+def _fallback_count_documents(inputs, compiled, tokens, errors, progress) -> dict[bytes, int]:
+    counts: Counter = Counter()
+    for idx, doc in enumerate(inputs):
+        if isinstance(doc, bytes):
+            text = doc.decode("utf-8", errors=errors).replace("\r\n", "\n").replace("\r", "\n")
+        elif isinstance(doc, str):
+            text = doc
+        else:
+            raise TypeError(f"inputs[{idx}] must be str or bytes (got {type(doc).__name__})")
+        _count_text(counts, text, compiled, tokens)
+        progress.finish_input(len(doc))
+    return dict(counts)
