@@ -15,3 +15,8 @@ def checkpoint_write_item_sizes(
 def checkpoint_assign_bins(
     is_bytes: npt.NDArray[np.uint8], sizes: npt.NDArray[np.int64], bins: int, refined: bool
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+
+# --- bpe training (csrc/bindings/bpe_train.cpp) ---
+def bpe_train_merges(
+    word_counts: dict[bytes, int], num_merges: int, progress: Any = None
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]: ...

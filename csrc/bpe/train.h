@@ -1,0 +1,38 @@
+// BPE merge loop with CS336 `train_bpe` semantics over pre-token counts.
+//
+// Token ids here are "merge space": 0..255 are the single bytes, 256 + k is the token made by merge
+// k (special tokens are not part of training; the Python layer places them in the vocab).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "common/parallel.h"
+
+namespace trainfast::bpe {
+
+struct Merge {
+  int32_t left;
+  int32_t right;
+};
+
+struct TrainOptions {
+  int64_t num_merges = 0;  // stop after this many merges, or earlier when no pair is left
+  Interrupt* interrupt = nullptr;
+  // Called from the calling thread with the number of merges done, at most every ~0.1 s and once
+  // at the end.
+  std::function<void(int64_t)> on_progress;
+};
+
+// Words are given as one byte buffer: word i is word_bytes[word_offsets[i], word_offsets[i + 1]),
+// occurring word_counts[i] times (each >= 1). Pair counts are the sum of count x occurrences with
+// overlapping occurrences counted; each step merges the pair with the highest count, ties to the
+// greatest (left bytes, right bytes) compared as unsigned bytes; merges apply left to right,
+// non-overlapping. Throws std::invalid_argument on bad input or if a pair count overflows int64.
+std::vector<Merge> train_merges(std::span<const uint8_t> word_bytes,
+                                std::span<const int64_t> word_offsets,
+                                std::span<const int64_t> word_counts, const TrainOptions& options);
+
+}  // namespace trainfast::bpe

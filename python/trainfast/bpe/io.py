@@ -1,0 +1,118 @@
+"""Save/load a BPE tokenizer as GPT-2-style ``vocab.json`` + ``merges.txt``.
+
+Every token (special tokens included) is written through GPT-2's ``bytes_to_unicode`` map, as in the
+CS336 fixtures and GPT-2's own files, so any bytes round-trip exactly. ``merges.txt`` has one
+``left right`` line per merge, in creation order, without a ``#version`` header.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+__all__ = ["bytes_to_unicode", "load", "save"]
+
+VOCAB_FILE = "vocab.json"
+MERGES_FILE = "merges.txt"
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (printable Latin-1 bytes map to themselves)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {char: b for b, char in bytes_to_unicode().items()}
+
+
+def _encode(token: bytes) -> str:
+    table = bytes_to_unicode()
+    return "".join(table[b] for b in token)
+
+
+def _decode(text: str, what: str) -> bytes:
+    table = _unicode_to_bytes()
+    try:
+        return bytes(table[char] for char in text)
+    except KeyError as error:
+        raise ValueError(f"{what}: {text!r} has a character outside GPT-2's byte map ({error.args[0]!r})") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: str | os.PathLike[str]) -> None:
+    """Writes ``out_dir/vocab.json`` and ``out_dir/merges.txt`` (each atomically: temp + rename).
+
+    ``vocab`` must map distinct ids to distinct bytes; ``merges`` are ``(left, right)`` bytes pairs.
+    """
+    if not isinstance(vocab, dict):
+        raise TypeError(f"vocab must be a dict[int, bytes] (got {type(vocab).__name__})")
+    seen: dict[bytes, int] = {}
+    for token_id, token in vocab.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not isinstance(token, bytes):
+            raise TypeError(f"vocab must map int to bytes (got {token_id!r}: {token!r})")
+        if token in seen:
+            raise ValueError(f"vocab maps ids {seen[token]} and {token_id} to the same token {token!r}")
+        seen[token] = token_id
+    lines = []
+    for idx, merge in enumerate(merges):
+        if not (isinstance(merge, tuple) and len(merge) == 2 and all(isinstance(x, bytes) and x for x in merge)):
+            raise TypeError(f"merges[{idx}] must be a tuple of two non-empty bytes (got {merge!r})")
+        lines.append(f"{_encode(merge[0])} {_encode(merge[1])}\n")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"out_dir {str(out)!r} is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_json = {_encode(token): token_id for token_id, token in sorted(vocab.items())}
+    _write_atomic(out / VOCAB_FILE, json.dumps(vocab_json, ensure_ascii=False, indent=2) + "\n")
+    _write_atomic(out / MERGES_FILE, "".join(lines))
+
+
+def load(out_dir: str | os.PathLike[str]) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """Reads what :func:`save` wrote (or GPT-2 / CS336 fixture files): ``(vocab, merges)``."""
+    out = Path(out_dir)
+    with open(out / VOCAB_FILE, encoding="utf-8") as f:
+        vocab_json = json.load(f)
+    if not isinstance(vocab_json, dict):
+        raise ValueError(f"{out / VOCAB_FILE} must hold a JSON object")
+    vocab = {}
+    for text, token_id in vocab_json.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"{out / VOCAB_FILE}: id of {text!r} must be an int (got {token_id!r})")
+        vocab[token_id] = _decode(text, str(out / VOCAB_FILE))
+    vocab = dict(sorted(vocab.items()))
+    merges = []
+    with open(out / MERGES_FILE, encoding="utf-8", newline="\n") as f:
+        for line_no, line in enumerate(f, start=1):
+            line = line.rstrip("\n")
+            if line.startswith("#version") and line_no == 1 or not line:
+                continue
+            parts = line.split(" ")
+            if len(parts) != 2:
+                raise ValueError(f"{out / MERGES_FILE}:{line_no}: expected 'left right' (got {line!r})")
+            where = f"{out / MERGES_FILE}:{line_no}"
+            merges.append((_decode(parts[0], where), _decode(parts[1], where)))
+    return vocab, merges

@@ -1,0 +1,257 @@
+"""BPE training with the exact semantics of Stanford CS336 assignment 1 ``train_bpe``.
+
+Vocab id layout (what ``train_bpe`` returns): ids 0..255 are the 256 single bytes (id ``b`` is
+``bytes([b])``), then one id per special token in the order given (256, 257, ...), then one id per
+merge in creation order. The CS336 fixture vocab puts its special token at 0 instead; the set of
+tokens is the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Union
+
+from trainfast._util import check_choice, check_int, resolve_num_threads
+
+__all__ = ["train_bpe", "train_from_counts"]
+
+_log = logging.getLogger("trainfast.bpe")
+
+PathLike = Union[str, "os.PathLike[str]"]
+Vocab = dict[int, bytes]
+Merges = list[tuple[bytes, bytes]]
+
+_ERROR_MODES = ("strict", "replace", "ignore")
+
+
+def train_bpe(
+    input_path: PathLike | Sequence[PathLike] | Iterable[str | bytes],
+    vocab_size: int,
+    special_tokens: Sequence[str] = (),
+    *,
+    pattern: str = "gpt2",
+    num_threads: int | None = None,
+    errors: str = "strict",
+    show_progress: bool = True,
+) -> tuple[Vocab, Merges]:
+    """Trains a byte-level BPE tokenizer, equal to CS336's ``train_bpe``.
+
+    Args:
+        input_path: a text file, a list/tuple of files, or any other iterable of ``str``/``bytes``
+            documents. Files are read like Python text mode (UTF-8, universal newlines).
+        vocab_size: final vocabulary size (256 bytes + specials + merges); training stops earlier
+            when no pair is left.
+        special_tokens: strings split out of the text before pre-tokenization; never merged.
+        pattern: pre-tokenizer: ``"gpt2"`` (CS336), ``"cl100k"``, ``"o200k"`` or a regex string.
+        num_threads: pre-tokenizer threads (default $TRAINFAST_NUM_THREADS or all cores); the
+            result does not depend on it.
+        errors: invalid UTF-8 handling: ``"strict"`` (ValueError naming the byte offset),
+            ``"replace"`` or ``"ignore"``.
+        show_progress: tqdm bars on a terminal, ``logging`` (INFO) otherwise.
+
+    Returns:
+        ``(vocab, merges)``: ``vocab`` maps ids ``0..len-1`` to token bytes (layout in the module
+        docstring); ``merges`` lists ``(left, right)`` byte pairs in creation order.
+    """
+    special_tokens = _check_special_tokens(special_tokens)
+    vocab_size = _check_vocab_size(vocab_size, special_tokens)
+    num_threads = resolve_num_threads(num_threads)
+    check_choice(errors, "errors", _ERROR_MODES)
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a str (got {type(pattern).__name__})")
+    start = time.perf_counter()
+    word_counts = count_pretokens(
+        input_path,
+        pattern=pattern,
+        special_tokens=tuple(special_tokens),
+        num_threads=num_threads,
+        errors=errors,
+        show_progress=show_progress,
+    )
+    _log.info("bpe: %s unique pre-tokens in %.2f s", f"{len(word_counts):,}", time.perf_counter() - start)
+    return _train(word_counts, vocab_size, special_tokens, show_progress)
+
+
+def train_from_counts(
+    word_counts: dict[bytes, int],
+    vocab_size: int,
+    special_tokens: Sequence[str] = (),
+    *,
+    show_progress: bool = True,
+) -> tuple[Vocab, Merges]:
+    """``train_bpe`` from pre-token counts (``{pre-token bytes: count}``, counts in [1, 2^63-1])."""
+    if not isinstance(word_counts, dict):
+        raise TypeError(f"word_counts must be a dict[bytes, int] (got {type(word_counts).__name__})")
+    special_tokens = _check_special_tokens(special_tokens)
+    vocab_size = _check_vocab_size(vocab_size, special_tokens)
+    return _train(word_counts, vocab_size, special_tokens, show_progress)
+
+
+def _train(word_counts: dict[bytes, int], vocab_size: int, special_tokens: list[str],
+           show_progress: bool) -> tuple[Vocab, Merges]:
+    from trainfast import _core
+
+    num_merges = vocab_size - 256 - len(special_tokens)
+    start = time.perf_counter()
+    with _Progress(num_merges, "merges", show_progress) as progress:
+        lefts, rights = _core.bpe_train_merges(word_counts, num_merges, progress.update)
+    _log.info("bpe: %d merges in %.2f s", len(lefts), time.perf_counter() - start)
+
+    tokens = [bytes([b]) for b in range(256)]  # merge-space ids: 256 + k is merge k
+    merges: Merges = []
+    for left, right in zip(lefts.tolist(), rights.tolist()):
+        merges.append((tokens[left], tokens[right]))
+        tokens.append(tokens[left] + tokens[right])
+    vocab: Vocab = dict(enumerate(tokens[:256]))
+    for token in special_tokens:
+        vocab[len(vocab)] = token.encode("utf-8")
+    for token in tokens[256:]:
+        vocab[len(vocab)] = token
+    return vocab, merges
+
+
+def _check_special_tokens(special_tokens: Any) -> list[str]:
+    if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
+        raise TypeError(f"special_tokens must be a list of str (got {type(special_tokens).__name__})")
+    tokens = list(special_tokens)
+    for token in tokens:
+        if not isinstance(token, str):
+            raise TypeError(f"special_tokens must contain only str (got {type(token).__name__} {token!r})")
+        if not token:
+            raise ValueError("special_tokens must not contain an empty string")
+    duplicates = sorted({t for t, n in Counter(tokens).items() if n > 1})
+    if duplicates:
+        raise ValueError(f"special_tokens must be unique (got duplicates {duplicates!r})")
+    return tokens
+
+
+def _check_vocab_size(vocab_size: Any, special_tokens: list[str]) -> int:
+    vocab_size = check_int(vocab_size, "vocab_size")
+    minimum = 256 + len(special_tokens)
+    if vocab_size < minimum:
+        raise ValueError(
+            f"vocab_size must be >= 256 + len(special_tokens) = {minimum} (got {vocab_size})"
+        )
+    return vocab_size
+
+
+class _Progress:
+    """tqdm bar on a terminal, a throttled INFO log line otherwise, nothing when disabled."""
+
+    def __init__(self, total: int, unit: str, enabled: bool):
+        self.total, self.unit, self.enabled = total, unit, enabled
+        self.bar = None
+        self.last_log = time.monotonic()
+        if enabled and sys.stderr is not None and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit=f" {unit}", desc="bpe", leave=False)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    @property
+    def update(self) -> Callable[[int], None] | None:
+        return self._update if self.enabled else None
+
+    def _update(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+        elif time.monotonic() - self.last_log >= 5.0:
+            self.last_log = time.monotonic()
+            _log.info("bpe: %d/%d %s", done, self.total, self.unit)
+
+
+# --- Pre-tokenizer ---------------------------------------------------------------------------
+# trainfast.bpe.pretokenize (the native pre-tokenizer) provides count_pretokens. Until it is in this
+# branch, _fallback_count_pretokens below stands in with the same signature (regex-based, slower).
+
+_GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _fallback_pattern(pattern: str) -> str:
+    if pattern == "gpt2":
+        return _GPT2_PATTERN
+    if pattern in ("cl100k", "o200k"):
+        from tiktoken_ext import openai_public
+
+        name = "cl100k_base" if pattern == "cl100k" else "o200k_base"
+        return getattr(openai_public, name)()["pat_str"]
+    return pattern
+
+
+def _fallback_documents(inputs: Any, errors: str) -> Iterable[str]:
+    """Texts of a path, a list/tuple of paths, or an iterable of str/bytes documents."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+        paths = True
+    elif isinstance(inputs, (list, tuple)) and all(isinstance(x, (str, os.PathLike)) for x in inputs):
+        paths = True
+    elif isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, bytearray)):
+        paths = False
+    else:
+        raise TypeError(f"input_path must be a path, a list of paths or an iterable of documents "
+                        f"(got {type(inputs).__name__})")
+    for item in inputs:
+        if paths:
+            path = os.fspath(item)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"input_path {path!r} does not exist")
+            if os.path.isdir(path):
+                raise IsADirectoryError(f"input_path {path!r} is a directory")
+            with open(path, "rb") as f:
+                data = f.read()
+            yield _decode(data, errors, f"input_path {path!r}")
+        elif isinstance(item, str):
+            yield item
+        elif isinstance(item, (bytes, bytearray)):
+            yield _decode(bytes(item), errors, "document")
+        else:
+            raise TypeError(f"documents must be str or bytes (got {type(item).__name__})")
+
+
+def _decode(data: bytes, errors: str, what: str) -> str:
+    try:
+        text = data.decode("utf-8", errors)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} is not valid UTF-8: byte offset {error.start}: {error.reason}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines
+
+
+def _fallback_count_pretokens(
+    inputs: Any,
+    *,
+    pattern: str = "gpt2",
+    special_tokens: Sequence[str] = (),
+    num_threads: int | None = None,
+    errors: str = "strict",
+    show_progress: bool = False,
+) -> dict[bytes, int]:
+    import regex
+
+    del num_threads, show_progress  # single-threaded stand-in
+    compiled = regex.compile(_fallback_pattern(pattern))
+    specials = sorted(special_tokens, key=len, reverse=True)  # longest wins at a shared prefix
+    splitter = regex.compile("|".join(regex.escape(t) for t in specials)) if specials else None
+    counts: Counter[str] = Counter()
+    for text in _fallback_documents(inputs, errors):
+        for piece in splitter.split(text) if splitter is not None else (text,):
+            counts.update(compiled.findall(piece))
+    return {token.encode("utf-8"): count for token, count in counts.items()}
+
+
+try:
+    from trainfast.bpe.pretokenize import count_pretokens
+except ModuleNotFoundError as _error:
+    if _error.name != "trainfast.bpe.pretokenize":
+        raise
+    count_pretokens = _fallback_count_pretokens

@@ -1,0 +1,279 @@
+"""trainfast.bpe.train_bpe == the CS336 semantics (tests/reference/bpe.py oracle and fixtures)."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference import bpe as ref
+from trainfast.bpe import load, save, train_bpe, train_from_counts
+from trainfast.bpe.io import bytes_to_unicode
+
+SPECIAL = "<|endoftext|>"
+
+
+def _fixture(shared_dir: Path, name: str) -> Path:
+    return shared_dir / "fixtures" / "cs336" / name
+
+
+def _decode_gpt2(text: str) -> bytes:
+    table = {char: b for b, char in bytes_to_unicode().items()}
+    return bytes(table[c] for c in text)
+
+
+def _reference_merges(shared_dir: Path) -> list[tuple[bytes, bytes]]:
+    lines = _fixture(shared_dir, "train-bpe-reference-merges.txt").read_text(encoding="utf-8").splitlines()
+    return [tuple(_decode_gpt2(part) for part in line.split(" ")) for line in lines]
+
+
+def _corpus_text(shared_dir: Path, name: str, num_chars: int | None = None) -> str:
+    with lzma.open(shared_dir / "corpora" / f"{name}.txt.xz", "rt", encoding="utf-8") as f:
+        return f.read(num_chars) if num_chars is not None else f.read()
+
+
+def _train(*args, **kwargs):
+    return train_bpe(*args, show_progress=False, **kwargs)
+
+
+# --- CS336 fixtures ---------------------------------------------------------------------------
+
+
+def test_cs336_reference_merges_and_vocab(shared_dir):
+    vocab, merges = _train(_fixture(shared_dir, "corpus.en"), 500, [SPECIAL])
+    assert merges == _reference_merges(shared_dir)
+    reference_vocab = json.loads(_fixture(shared_dir, "train-bpe-reference-vocab.json").read_text(encoding="utf-8"))
+    # The fixture holds the special token at id 0; we place it after the 256 bytes: same sets.
+    assert set(vocab) == set(reference_vocab.values()) == set(range(500))
+    assert set(vocab.values()) == {_decode_gpt2(token) for token in reference_vocab}
+
+
+def test_vocab_id_layout(shared_dir):
+    vocab, merges = _train(_fixture(shared_dir, "corpus.en"), 500, [SPECIAL, "<|pad|>"])
+    assert list(vocab) == list(range(500))
+    assert all(type(k) is int and type(v) is bytes for k, v in vocab.items())
+    assert [vocab[i] for i in range(256)] == [bytes([i]) for i in range(256)]
+    assert vocab[256] == SPECIAL.encode() and vocab[257] == b"<|pad|>"
+    assert [vocab[258 + k] for k in range(len(merges))] == [a + b for a, b in merges]
+    assert all(type(a) is bytes and type(b) is bytes for a, b in merges)
+
+
+def test_tinystories_special_token_never_merged(shared_dir):
+    vocab, _ = _train(_fixture(shared_dir, "tinystories_sample.txt"), 1000, [SPECIAL])
+    assert [token for token in vocab.values() if b"<|" in token] == [SPECIAL.encode()]
+
+
+@pytest.mark.parametrize("name", ["special_token_trailing_newlines.txt", "special_token_double_newlines_non_whitespace.txt",
+                                  "german.txt", "address.txt"])
+def test_small_fixtures_match_oracle(shared_dir, name):
+    path = _fixture(shared_dir, name)
+    assert _train(path, 400, [SPECIAL]) == ref.train_bpe(path, 400, [SPECIAL])
+
+
+def test_save_load_round_trip_and_fixture_format(shared_dir, tmp_path):
+    vocab, merges = _train(_fixture(shared_dir, "corpus.en"), 500, [SPECIAL])
+    save(vocab, merges, tmp_path / "tok")
+    assert sorted(os.listdir(tmp_path / "tok")) == ["merges.txt", "vocab.json"]
+    assert load(tmp_path / "tok") == (vocab, merges)
+    fixture_merges = _fixture(shared_dir, "train-bpe-reference-merges.txt").read_text(encoding="utf-8")
+    assert (tmp_path / "tok" / "merges.txt").read_text(encoding="utf-8").splitlines() == fixture_merges.splitlines()
+
+
+def test_save_load_arbitrary_bytes(tmp_path):
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab[256] = "<|é ok|>".encode()
+    vocab[257] = b"\x00\xff \n"
+    merges = [(b"\x00\xff", b" \n")]
+    save(vocab, merges, tmp_path)
+    assert load(tmp_path) == (vocab, merges)
+
+
+def test_save_rejects_duplicate_tokens(tmp_path):
+    with pytest.raises(ValueError, match="vocab"):
+        save({0: b"a", 1: b"a"}, [], tmp_path / "out")
+    assert not (tmp_path / "out" / "vocab.json").exists()
+
+
+# --- Differential: native == oracle on the shared corpora -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def austen_counts(shared_dir):
+    return ref.count_pretokens([_corpus_text(shared_dir, "austen")], [SPECIAL])
+
+
+def test_austen_vocab_5000_and_prefix_1000(austen_counts):
+    expected = ref.train_from_counts(austen_counts, 5000, [SPECIAL])
+    assert train_from_counts(austen_counts, 5000, [SPECIAL], show_progress=False) == expected
+    vocab, merges = train_from_counts(austen_counts, 1000, [SPECIAL], show_progress=False)
+    assert merges == expected[1][: 1000 - 257]  # training is greedy: a smaller vocab is a prefix
+
+
+def test_austen_end_to_end_from_file(shared_dir, tmp_path, austen_counts):
+    path = tmp_path / "austen.txt"
+    path.write_text(_corpus_text(shared_dir, "austen"), encoding="utf-8")
+    expected = ref.train_from_counts(austen_counts, 1000, [SPECIAL])
+    assert _train(path, 1000, [SPECIAL]) == expected
+    assert _train([path, path], 1000, [SPECIAL])[1] == ref.train_from_counts(
+        {k: 2 * v for k, v in austen_counts.items()}, 1000, [SPECIAL])[1]
+
+
+@pytest.mark.parametrize(
+    ("name", "num_chars", "vocab_size"),
+    [("kjv", None, 5000), ("gcide", 2_000_000, 10_000), ("multilingual", 400_000, 3000)],
+)
+def test_corpus_matches_oracle(shared_dir, name, num_chars, vocab_size):
+    counts = ref.count_pretokens([_corpus_text(shared_dir, name, num_chars)], [SPECIAL])
+    expected = ref.train_from_counts(counts, vocab_size, [SPECIAL])
+    assert train_from_counts(counts, vocab_size, [SPECIAL], show_progress=False) == expected
+
+
+def test_thread_count_does_not_change_result(shared_dir, tmp_path):
+    path = tmp_path / "multi.txt"
+    path.write_text(_corpus_text(shared_dir, "multilingual", 300_000), encoding="utf-8")
+    results = [_train(path, 1500, [SPECIAL], num_threads=n) for n in (1, 2, 7)]
+    assert results[0] == results[1] == results[2]
+
+
+# --- Hypothesis: small corpora with many ties ----------------------------------------------------
+
+_small_words = st.dictionaries(
+    st.binary(min_size=1, max_size=8).map(lambda b: bytes(x % 4 + 0x61 if x < 200 else x for x in b)),
+    st.integers(min_value=1, max_value=4),
+    max_size=12,
+)
+
+
+@given(word_counts=_small_words, vocab_size=st.integers(min_value=256, max_value=300))
+def test_hypothesis_counts_match_oracle(word_counts, vocab_size):
+    assert train_from_counts(word_counts, vocab_size, show_progress=False) == ref.train_from_counts(
+        word_counts, vocab_size)
+
+
+_small_text = st.text(alphabet=st.sampled_from(list("aab ba\n'sé1  \u00a0\u3000日本<|>")), max_size=60)
+
+
+@given(documents=st.lists(_small_text, min_size=1, max_size=4),
+       special_tokens=st.sampled_from([[], ["<|"], ["<|", "<|>"], ["ab", "a"]]),
+       vocab_size=st.integers(min_value=258, max_value=320))
+def test_hypothesis_text_matches_oracle(documents, special_tokens, vocab_size):
+    got = _train(iter(documents), vocab_size, special_tokens)
+    counts = ref.count_pretokens(documents, special_tokens)
+    assert got == ref.train_from_counts(counts, vocab_size, special_tokens)
+
+
+def test_ties_go_to_greatest_pair_as_unsigned_bytes():
+    # Every pair has count 1: (b"\xff", b"a") is greatest by unsigned bytes (signed would pick (a, ...)).
+    vocab, merges = train_from_counts({b"a\xff": 1, b"\xffa": 1, b"ab": 1}, 257, show_progress=False)
+    assert merges == [(b"\xff", b"a")]
+    # Ties compare (left, right) as a tuple, not the concatenation: (ab, c) beats (a, z).
+    _, merges = train_from_counts({b"ab": 10, b"abc": 3, b"az": 3}, 258, show_progress=False)
+    assert merges == [(b"a", b"b"), (b"ab", b"c")]
+
+
+def test_overlapping_pairs_and_left_to_right_merge():
+    _, merges = train_from_counts({b"aaa": 1}, 260, show_progress=False)
+    assert merges == [(b"a", b"a"), (b"aa", b"a")]  # (a,a) counted twice; "aaa" -> "aa a"
+    assert ref.train_from_counts({b"aaaa": 3, b"abab": 1}, 300) == train_from_counts(
+        {b"aaaa": 3, b"abab": 1}, 300, show_progress=False)
+
+
+def test_stops_when_no_pair_is_left():
+    vocab, merges = train_from_counts({b"abc": 5, b"d": 7}, 10_000, show_progress=False)
+    assert merges == [(b"b", b"c"), (b"a", b"bc")]
+    assert len(vocab) == 258
+
+
+def test_counts_beyond_32_bits():
+    word_counts = {b"ab": 2**40 + 1, b"ba": 2**40, b"abab": 3 * 2**32, b"xyxyxy": 2**62 // 8}
+    got = train_from_counts(word_counts, 270, show_progress=False)
+    assert got == ref.train_from_counts(word_counts, 270)
+    assert got[1][0] == (b"x", b"y")  # 3 * 2^59 occurrences beats 2^40-ish
+
+
+def test_pair_count_overflow_is_an_error():
+    with pytest.raises(ValueError, match="word_counts"):
+        train_from_counts({b"abc": 2**62, b"de": 2**62}, 300, show_progress=False)
+
+
+# --- Bad input ------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        _train(tmp_path / "nope.txt", 300, [SPECIAL])
+
+
+def test_directory(tmp_path):
+    with pytest.raises(IsADirectoryError, match=str(tmp_path.name)):
+        _train(tmp_path, 300, [SPECIAL])
+
+
+def test_invalid_utf8_names_offset(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"hello world\n" * 3 + b"ab\xffcd")
+    with pytest.raises(ValueError, match="38"):
+        _train(path, 300)
+    assert _train(path, 300, errors="replace") == ref.train_from_counts(
+        ref.count_pretokens(["hello world\n" * 3 + "ab\ufffdcd"]), 300)
+    assert _train(path, 300, errors="ignore") == ref.train_from_counts(
+        ref.count_pretokens(["hello world\n" * 3 + "abcd"]), 300)
+
+
+def test_universal_newlines(tmp_path):
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(b"one two\r\nthree\rfour\n\r\n")
+    assert _train(path, 300) == ref.train_from_counts(ref.count_pretokens(["one two\nthree\nfour\n\n"]), 300)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"vocab_size": 256}, ValueError, "vocab_size"),
+        ({"vocab_size": 255, "special_tokens": []}, ValueError, "vocab_size"),
+        ({"vocab_size": 300.0}, TypeError, "vocab_size"),
+        ({"special_tokens": [SPECIAL, SPECIAL]}, ValueError, "special_tokens"),
+        ({"special_tokens": [""]}, ValueError, "special_tokens"),
+        ({"special_tokens": [b"<|endoftext|>"]}, TypeError, "special_tokens"),
+        ({"special_tokens": SPECIAL}, TypeError, "special_tokens"),
+        ({"num_threads": 0}, ValueError, "num_threads"),
+        ({"errors": "surrogateescape"}, ValueError, "errors"),
+    ],
+)
+def test_bad_arguments(shared_dir, kwargs, error, name):
+    arguments = {"vocab_size": 300, "special_tokens": [SPECIAL], **kwargs}
+    with pytest.raises(error, match=name):
+        _train(_fixture(shared_dir, "german.txt"), **arguments)
+
+
+@pytest.mark.parametrize(
+    ("word_counts", "error"),
+    [({"ab": 1}, TypeError), ({b"ab": 1.0}, TypeError), ({b"ab": 0}, ValueError), ({b"ab": 2**63}, ValueError),
+     ([(b"ab", 1)], TypeError)],
+)
+def test_bad_word_counts(word_counts, error):
+    with pytest.raises(error, match="word_counts"):
+        train_from_counts(word_counts, 300, show_progress=False)
+
+
+def test_progress_goes_through_logging(shared_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="trainfast.bpe"):
+        train_bpe(_fixture(shared_dir, "corpus.en"), 500, [SPECIAL], show_progress=True)
+    assert any("merges" in record.getMessage() for record in caplog.records)
+
+
+def test_cli_train(shared_dir, tmp_path):
+    from trainfast.cli import main
+
+    out = tmp_path / "tok"
+    assert main(["bpe", "train", str(_fixture(shared_dir, "corpus.en")), "--vocab-size", "500",
+                 "--special-token", SPECIAL, "--out", str(out), "--no-progress"]) == 0
+    vocab, merges = load(out)
+    assert merges == _reference_merges(shared_dir)
+    assert vocab[256] == SPECIAL.encode()
