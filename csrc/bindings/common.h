@@ -52,5 +52,6 @@ inline Interrupt python_interrupt() {
 void register_checkpoint(py::module_& m);
 void register_bpe_pretokenize(py::module_& m);
 void register_bpe_train(py::module_& m);
+void register_bpe_encode(py::module_& m);
 
 }  // namespace trainfast::bindings
