@@ -60,9 +60,10 @@ constexpr size_t kBlockBytes = size_t{1} << 20;  // text is pre-tokenized in blo
 struct EncodeWorkspace {
   struct Slot {
     uint64_t hash;
+    uint64_t word;        // keys of up to 8 bytes, zero-padded (compared without the arena)
     uint32_t key_offset;
     uint32_t key_length;  // 0: empty slot
-    uint32_t ids_offset;
+    uint32_t ids_offset;  // the id itself when ids_length == 1
     uint32_t ids_length;
   };
   std::vector<Slot> slots = std::vector<Slot>(4096);
@@ -77,21 +78,22 @@ struct EncodeWorkspace {
     int32_t prev, next;
   };
   std::vector<Node> nodes;
-  std::vector<uint32_t> merged;
 
   // Pointer to the cached ids of the key and their count, or {nullptr, 0}.
-  std::pair<const uint32_t*, size_t> find(const uint8_t* key, size_t n, uint64_t h) const {
+  std::pair<const uint32_t*, size_t> find(const uint8_t* key, size_t n, uint64_t h, uint64_t word) const {
     const size_t mask = slots.size() - 1;
     for (size_t i = h & mask;; i = (i + 1) & mask) {
       const Slot& slot = slots[i];
       if (slot.key_length == 0) return {nullptr, 0};
-      if (slot.hash == h && slot.key_length == n && std::memcmp(key_arena.data() + slot.key_offset, key, n) == 0) {
+      if (slot.hash == h && slot.key_length == n && slot.word == word &&
+          (n <= 8 || std::memcmp(key_arena.data() + slot.key_offset, key, n) == 0)) {
+        if (slot.ids_length == 1) return {&slot.ids_offset, 1};
         return {ids_arena.data() + slot.ids_offset, slot.ids_length};
       }
     }
   }
 
-  void insert(const uint8_t* key, size_t n, uint64_t h, const uint32_t* ids, size_t num_ids) {
+  void insert(const uint8_t* key, size_t n, uint64_t h, uint64_t word, const uint32_t* ids, size_t num_ids) {
     if (num_entries >= kMaxCacheEntries || key_arena.size() + n > 0xFFFFFFFFu ||
         ids_arena.size() + num_ids > 0xFFFFFFFFu) {
       clear();
@@ -100,10 +102,18 @@ struct EncodeWorkspace {
     const size_t mask = slots.size() - 1;
     size_t i = h & mask;
     while (slots[i].key_length != 0) i = (i + 1) & mask;
-    slots[i] = {h, static_cast<uint32_t>(key_arena.size()), static_cast<uint32_t>(n),
-                static_cast<uint32_t>(ids_arena.size()), static_cast<uint32_t>(num_ids)};
-    key_arena.insert(key_arena.end(), key, key + n);
-    ids_arena.insert(ids_arena.end(), ids, ids + num_ids);
+    Slot slot{h, word, 0, static_cast<uint32_t>(n), 0, static_cast<uint32_t>(num_ids)};
+    if (n > 8) {
+      slot.key_offset = static_cast<uint32_t>(key_arena.size());
+      key_arena.insert(key_arena.end(), key, key + n);
+    }
+    if (num_ids == 1) {
+      slot.ids_offset = ids[0];
+    } else {
+      slot.ids_offset = static_cast<uint32_t>(ids_arena.size());
+      ids_arena.insert(ids_arena.end(), ids, ids + num_ids);
+    }
+    slots[i] = slot;
     ++num_entries;
   }
 
@@ -345,8 +355,10 @@ void BpeEncoder::encode_pretoken(const uint8_t* s, size_t n, std::vector<uint32_
     merge_large(s, n, out, ws);
     return;
   }
-  const uint64_t h = hash_bytes(s, n);
-  const auto [cached, num_cached] = ws.find(s, n, h);
+  uint64_t word = 0;
+  std::memcpy(&word, s, std::min<size_t>(n, 8));
+  const uint64_t h = n <= 8 ? mix64(word ^ (n * 0x9E3779B97F4A7C15ull)) : hash_bytes(s, n);
+  const auto [cached, num_cached] = ws.find(s, n, h, word);
   if (cached != nullptr) {
     out.insert(out.end(), cached, cached + num_cached);
     return;
@@ -357,7 +369,7 @@ void BpeEncoder::encode_pretoken(const uint8_t* s, size_t n, std::vector<uint32_
   } else {
     merge_large(s, n, out, ws);
   }
-  ws.insert(s, n, h, out.data() + before, out.size() - before);
+  ws.insert(s, n, h, word, out.data() + before, out.size() - before);
 }
 
 void BpeEncoder::encode_piece(std::string_view piece, std::vector<uint32_t>& out) const {
