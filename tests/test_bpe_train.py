@@ -188,6 +188,8 @@ def test_stops_when_no_pair_is_left():
     vocab, merges = train_from_counts({b"abc": 5, b"d": 7}, 10_000, show_progress=False)
     assert merges == [(b"b", b"c"), (b"a", b"bc")]
     assert len(vocab) == 258
+    assert train_from_counts({b"abc": 5}, 2**70, show_progress=False)[1] == merges
+    assert train_from_counts({}, 300, show_progress=False) == ({i: bytes([i]) for i in range(256)}, [])
 
 
 def test_counts_beyond_32_bits():
@@ -206,12 +208,12 @@ def test_pair_count_overflow_is_an_error():
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.txt"):
+    with pytest.raises((FileNotFoundError, ValueError), match="nope.txt"):
         _train(tmp_path / "nope.txt", 300, [SPECIAL])
 
 
 def test_directory(tmp_path):
-    with pytest.raises(IsADirectoryError, match=str(tmp_path.name)):
+    with pytest.raises((IsADirectoryError, ValueError), match=str(tmp_path.name)):
         _train(tmp_path, 300, [SPECIAL])
 
 
@@ -277,3 +279,35 @@ def test_cli_train(shared_dir, tmp_path):
     vocab, merges = load(out)
     assert merges == _reference_merges(shared_dir)
     assert vocab[256] == SPECIAL.encode()
+
+
+def test_ctrl_c_raises_keyboard_interrupt():
+    import random
+    import signal
+    import threading
+
+    rng = random.Random(0)
+    letters = bytes(97 + i % 26 for i in range(256))
+    blob = rng.randbytes(200_000 * 16).translate(letters)
+    word_counts = {blob[i:i + 4 + i % 17]: 1 + i % 997 for i in range(0, len(blob), 16)}  # seconds of merges
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_from_counts(word_counts, 200_000, show_progress=False)
+    finally:
+        timer.cancel()
+
+
+@given(st.text(alphabet=st.sampled_from(list("ab \n\t'1.\u00a0\u3000\u2028\u0085\x1c")), max_size=80),
+       st.integers(min_value=1, max_value=6))
+def test_fallback_chunking_keeps_gpt2_pretokens(text, chunk_chars):
+    import regex
+
+    from trainfast.bpe import train as train_module
+
+    if not hasattr(train_module, "_gpt2_safe_chunks"):
+        pytest.skip("regex stand-in replaced by the native pre-tokenizer")
+    chunks = list(train_module._gpt2_safe_chunks(text, chunk_chars))
+    assert "".join(chunks) == text
+    assert [t for c in chunks for t in regex.findall(ref.GPT2_PATTERN, c)] == regex.findall(ref.GPT2_PATTERN, text)

@@ -80,8 +80,9 @@ struct HeapEntry {
 class Trainer {
  public:
   Trainer(std::span<const uint8_t> word_bytes, std::span<const int64_t> word_offsets,
-          std::span<const int64_t> word_counts)
-      : pairs_(static_cast<size_t>(65536)) {
+          std::span<const int64_t> word_counts, Interrupt* interrupt)
+      : interrupt_(interrupt),
+        pairs_(std::min<size_t>(word_bytes.size(), size_t{1} << 17)) {
     token_bytes_.reserve(256);
     for (int b = 0; b < 256; ++b) token_bytes_.emplace_back(1, static_cast<char>(b));
     load_words(word_bytes, word_offsets, word_counts);
@@ -93,7 +94,7 @@ class Trainer {
     merges.reserve(static_cast<size_t>(std::min<int64_t>(options.num_merges, 1 << 20)));
     auto last_report = std::chrono::steady_clock::now();
     for (int64_t merge_idx = 0; merge_idx < options.num_merges; ++merge_idx) {
-      if (options.interrupt != nullptr) options.interrupt->check();
+      poll_interrupt();
       if (options.on_progress) {
         const auto now = std::chrono::steady_clock::now();
         if (now - last_report >= std::chrono::milliseconds(100)) {
@@ -114,6 +115,10 @@ class Trainer {
   }
 
  private:
+  void poll_interrupt() {
+    if (interrupt_ != nullptr) interrupt_->check();
+  }
+
   void load_words(std::span<const uint8_t> word_bytes, std::span<const int64_t> word_offsets,
                   std::span<const int64_t> word_counts) {
     TF_CHECK_ARG(word_offsets.size() == word_counts.size() + 1, "word_offsets", word_offsets.size(),
@@ -142,6 +147,7 @@ class Trainer {
   void count_initial_pairs() {
     int64_t total = 0;  // bounds every pair count for the whole run (pair weight only shrinks)
     for (size_t w = 0; w < word_count_.size(); ++w) {
+      if ((w & 0xffff) == 0) poll_interrupt();
       const int32_t* sym = symbols_.data() + word_start_[w];
       const int64_t count = word_count_[w];
       int64_t weight = 0;
@@ -237,7 +243,9 @@ class Trainer {
     std::vector<int32_t> words = std::move(pair_words_[best]);
     pair_words_[best] = {};
     touched_.clear();
-    for (const int32_t w : words) {
+    for (size_t k = 0; k < words.size(); ++k) {
+      if ((k & 0xffff) == 0xffff) poll_interrupt();  // the first merges touch most words
+      const int32_t w = words[k];
       if (word_stamp_[w] == merge_idx) continue;  // listed twice
       word_stamp_[w] = merge_idx;
       merge_word(w, a, b, new_token, merge_idx);
@@ -283,6 +291,7 @@ class Trainer {
     if (merged_any) word_len_[w] = out;
   }
 
+  Interrupt* interrupt_;
   std::vector<std::string> token_bytes_;
   std::vector<int32_t> symbols_;
   std::vector<int64_t> word_start_;
@@ -306,7 +315,7 @@ std::vector<Merge> train_merges(std::span<const uint8_t> word_bytes,
                                 std::span<const int64_t> word_offsets,
                                 std::span<const int64_t> word_counts, const TrainOptions& options) {
   TF_CHECK_ARG(options.num_merges >= 0, "num_merges", options.num_merges, "must be >= 0");
-  Trainer trainer(word_bytes, word_offsets, word_counts);
+  Trainer trainer(word_bytes, word_offsets, word_counts, options.interrupt);
   return trainer.run(options);
 }
 

@@ -96,7 +96,7 @@ def _train(word_counts: dict[bytes, int], vocab_size: int, special_tokens: list[
            show_progress: bool) -> tuple[Vocab, Merges]:
     from trainfast import _core
 
-    num_merges = vocab_size - 256 - len(special_tokens)
+    num_merges = min(vocab_size - 256 - len(special_tokens), 2**62)  # stops far earlier: no pair left
     start = time.perf_counter()
     with _Progress(num_merges, "merges", show_progress) as progress:
         lefts, rights = _core.bpe_train_merges(word_counts, num_merges, progress.update)
@@ -242,11 +242,32 @@ def _fallback_count_pretokens(
     compiled = regex.compile(_fallback_pattern(pattern))
     specials = sorted(special_tokens, key=len, reverse=True)  # longest wins at a shared prefix
     splitter = regex.compile("|".join(regex.escape(t) for t in specials)) if specials else None
+    chunked = pattern == "gpt2"
     counts: Counter[str] = Counter()
     for text in _fallback_documents(inputs, errors):
         for piece in splitter.split(text) if splitter is not None else (text,):
-            counts.update(compiled.findall(piece))
+            for chunk in _gpt2_safe_chunks(piece) if chunked else (piece,):
+                counts.update(compiled.findall(chunk))
     return {token.encode("utf-8"): count for token, count in counts.items()}
+
+
+def _gpt2_safe_chunks(text: str, chunk_chars: int = 1 << 20) -> Iterable[str]:
+    r"""Cuts ``text`` only right after a "\n" with non-space characters on both sides. There the
+    GPT-2 pattern yields the same pre-tokens as on the whole text: no match crosses that "\n" (it is
+    a one-character whitespace run between non-spaces, matched alone by ``\s+`` on the whole text
+    and by ``\s+(?!\S)`` at the chunk end), and the pattern never looks behind. str.isspace is a
+    superset of ``\s``, so the test is conservative. Keeps findall's list small (memory)."""
+    start = 0
+    while len(text) - start > 2 * chunk_chars:
+        cut = text.find("\n", start + chunk_chars)
+        while cut != -1 and not (0 < cut and cut + 1 < len(text) and not text[cut - 1].isspace()
+                                 and not text[cut + 1].isspace()):
+            cut = text.find("\n", cut + 1)
+        if cut == -1:
+            break
+        yield text[start:cut + 1]
+        start = cut + 1
+    yield text[start:]
 
 
 try:
