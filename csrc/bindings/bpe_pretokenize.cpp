@@ -88,6 +88,27 @@ py::list pretokenize(const py::str& text, int pattern, const py::list& special_t
   return out;
 }
 
+// End offsets (in code points) of the pre-tokens of text, special tokens not split off.
+py::array_t<int64_t> pretokenize_ends(const py::str& text, int pattern) {
+  py::object owner;
+  const std::string_view utf8 = utf8_of(text, owner, true, "text");
+  const Pattern scanner = to_pattern(pattern);
+  std::vector<int64_t> char_ends;
+  {
+    py::gil_scoped_release release;
+    std::vector<size_t> ends;
+    bpe::pretokenize(utf8, scanner, ends);
+    char_ends.reserve(ends.size());
+    int64_t chars = 0;
+    size_t b = 0;
+    for (size_t end : ends) {
+      for (; b < end; ++b) chars += (static_cast<uint8_t>(utf8[b]) & 0xC0) != 0x80;
+      char_ends.push_back(chars);
+    }
+  }
+  return to_numpy(std::move(char_ends));
+}
+
 // Ctrl-C polling that also reports progress (bytes counted so far) to a Python callable.
 Interrupt progress_interrupt(const py::object& progress, const std::atomic<int64_t>& bytes_done) {
   return Interrupt([&progress, &bytes_done] {
@@ -206,6 +227,8 @@ void register_bpe_pretokenize(py::module_& m) {
   });
   m.def("bpe_pretokenize", &pretokenize, py::arg("text"), py::arg("pattern"), py::arg("special_tokens"),
         "Pre-tokens and special tokens of text, in order (pattern: 0 gpt2, 1 cl100k, 2 o200k).");
+  m.def("bpe_pretokenize_ends", &pretokenize_ends, py::arg("text"), py::arg("pattern"),
+        "int64 end offsets (code points) of the pre-tokens of text (no special tokens).");
   py::class_<Counter>(m, "BpePretokenCounter", "Counts pre-tokens over files and documents.")
       .def(py::init<int, const py::list&, int, int, size_t, size_t>(), py::arg("pattern"),
            py::arg("special_tokens"), py::arg("errors"), py::arg("num_threads"), py::arg("chunk_bytes") = 0,

@@ -1,6 +1,7 @@
 #include "bpe/pretokenize.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -38,10 +39,19 @@ constexpr uint32_t kUpperRunMask = bit(kUpper) | bit(kLetterBoth) | bit(kMark); 
 constexpr uint32_t kLowerRunMask = bit(kLower) | bit(kLetterBoth) | bit(kMark);     // o200k [\p{Ll}\p{Lm}\p{Lo}\p{M}]
 constexpr uint32_t kNumberMask = bit(kNumber);
 
+// GPT-2/cl100k run groups: \p{L}, \p{N}, [^\s\p{L}\p{N}], \s.
+constexpr uint8_t kGroupLetter = 0, kGroupNumber = 1, kGroupOther = 2, kGroupSpace = 3, kGroupNonAscii = 255;
+constexpr uint8_t kGroupOfClass[unicode::kNumClasses] = {kGroupOther,  kGroupSpace,  kGroupLetter, kGroupLetter,
+                                                         kGroupLetter, kGroupOther,  kGroupNumber};
+
 struct AsciiClasses {
   uint8_t cls[128];
+  uint8_t group[256];  // kGroupNonAscii for bytes >= 0x80
   AsciiClasses() {
-    for (int c = 0; c < 128; ++c) cls[c] = unicode::char_class(static_cast<char32_t>(c));
+    for (int c = 0; c < 256; ++c) {
+      if (c < 128) cls[c] = unicode::char_class(static_cast<char32_t>(c));
+      group[c] = c < 128 ? kGroupOfClass[cls[c]] : kGroupNonAscii;
+    }
   }
 };
 const AsciiClasses kAscii;
@@ -53,7 +63,7 @@ struct CharInfo {
 
 // Decodes the character at s[i] (i < n) leniently: input is UTF-8 with surrogates allowed; a
 // truncated or stray byte counts as one U+FFFD-like "other" character, so scanning stays in bounds.
-inline char32_t decode_at(const uint8_t* s, size_t i, size_t n, uint32_t* len) {
+[[gnu::always_inline]] inline char32_t decode_at(const uint8_t* s, size_t i, size_t n, uint32_t* len) {
   const uint8_t b = s[i];
   if (b < 0x80) {
     *len = 1;
@@ -76,7 +86,7 @@ inline char32_t decode_at(const uint8_t* s, size_t i, size_t n, uint32_t* len) {
   return 0xFFFD;
 }
 
-inline CharInfo char_at(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline CharInfo char_at(const uint8_t* s, size_t i, size_t n) {
   const uint8_t b = s[i];
   if (b < 0x80) return {static_cast<CharClass>(kAscii.cls[b]), 1};
   uint32_t len;
@@ -87,7 +97,7 @@ inline CharInfo char_at(const uint8_t* s, size_t i, size_t n) {
 inline bool in(uint32_t mask, CharClass c) { return (mask >> c) & 1u; }
 
 // End of the maximal run of characters whose class is in `mask`, starting at i.
-inline size_t run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
+[[gnu::always_inline]] inline size_t run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
   while (i < n) {
     const uint8_t b = s[i];
     if (b < 0x80) {
@@ -99,6 +109,16 @@ inline size_t run_end(const uint8_t* s, size_t i, size_t n, uint32_t mask) {
       i += c.len;
     }
   }
+  return i;
+}
+
+// End of a run of group `group` (kGroupLetter/Number/Other) from i: a tight loop while the run
+// stays ASCII (the common case), then the general one.
+constexpr uint32_t kGroupMask[3] = {bit(kUpper) | bit(kLower) | bit(kLetterBoth), bit(kNumber), bit(kOther) | bit(kMark)};
+
+[[gnu::always_inline]] inline size_t ascii_run_end(const uint8_t* s, size_t i, size_t n, uint8_t group) {
+  while (i < n && kAscii.group[s[i]] == group) ++i;
+  if (i < n && s[i] >= 0x80) return run_end(s, i, n, kGroupMask[group]);
   return i;
 }
 
@@ -134,7 +154,7 @@ struct SpaceRun {
   size_t newline_end;
 };
 
-inline SpaceRun space_run(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline SpaceRun space_run(const uint8_t* s, size_t i, size_t n) {
   SpaceRun run{i, i, 0, kNone};
   while (run.end < n) {
     const CharInfo c = char_at(s, run.end, n);
@@ -147,16 +167,22 @@ inline SpaceRun space_run(const uint8_t* s, size_t i, size_t n) {
   return run;
 }
 
-inline uint32_t group_mask(CharClass c) {
-  if (in(kLetterMask, c)) return kLetterMask;
-  if (c == kNumber) return kNumberMask;
-  return kOtherMask;
-}
 
 // '(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
   const uint8_t c = s[i];
-  if (c == '\'' && i + 1 < n) {  // contractions: ASCII lower case only
+  if (c == ' ') {
+    if (i + 1 < n) {
+      // Every non-space character is \p{L}, \p{N} or [^\s\p{L}\p{N}]: one of the " ?X+" alternatives.
+      const uint8_t d = s[i + 1];
+      const uint8_t group = kAscii.group[d];
+      if (group < kGroupSpace) return ascii_run_end(s, i + 2, n, group);
+      if (d >= 0x80) {
+        const CharInfo next = char_at(s, i + 1, n);
+        if (next.cls != kSpace) return ascii_run_end(s, i + 1 + next.len, n, kGroupOfClass[next.cls]);
+      }
+    }
+  } else if (c == '\'' && i + 1 < n) {  // contractions: ASCII lower case only
     const uint8_t c1 = s[i + 1];
     if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') return i + 2;
     if (i + 2 < n) {
@@ -165,12 +191,7 @@ size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
     }
   }
   const CharInfo first = char_at(s, i, n);
-  if (first.cls != kSpace) return run_end(s, i + first.len, n, group_mask(first.cls));
-  if (c == ' ' && i + 1 < n) {
-    // Every non-space character is \p{L}, \p{N} or [^\s\p{L}\p{N}]: one of the " ?X+" alternatives.
-    const CharInfo next = char_at(s, i + 1, n);
-    if (next.cls != kSpace) return run_end(s, i + 1 + next.len, n, group_mask(next.cls));
-  }
+  if (first.cls != kSpace) return ascii_run_end(s, i + first.len, n, kGroupOfClass[first.cls]);
   const SpaceRun run = space_run(s, i, n);
   if (run.end == n || run.count == 1) return run.end;  // \s+(?!\S) at the end, else \s+
   return run.last_start;                               // \s+(?!\S) gives back the last space
@@ -188,7 +209,7 @@ inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first
 }
 
 // '(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s
-size_t cl100k_next(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline size_t cl100k_next(const uint8_t* s, size_t i, size_t n) {
   const uint8_t c = s[i];
   if (c == '\'' && i + 1 < n) {
     uint32_t len1;
@@ -201,12 +222,12 @@ size_t cl100k_next(const uint8_t* s, size_t i, size_t n) {
     }
   }
   const CharInfo first = char_at(s, i, n);
-  if (in(kLetterMask, first.cls)) return run_end(s, i + first.len, n, kLetterMask);
+  if (in(kLetterMask, first.cls)) return ascii_run_end(s, i + first.len, n, kGroupLetter);
   if (first.cls == kNumber) return numbers_upto3(s, i, n, first.len);
   // [^\r\n\p{L}\p{N}]?+\p{L}++ with the prefix: possessive, so no other split of it is tried.
   if (c != '\r' && c != '\n' && i + first.len < n) {
     const CharInfo next = char_at(s, i + first.len, n);
-    if (in(kLetterMask, next.cls)) return run_end(s, i + first.len + next.len, n, kLetterMask);
+    if (in(kLetterMask, next.cls)) return ascii_run_end(s, i + first.len + next.len, n, kGroupLetter);
   }
   size_t other_end = kNone;
   if (in(kOtherMask, first.cls)) {
@@ -267,7 +288,7 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
 
 // [^\r\n\p{L}\p{N}]?[Upper]*[Lower]+C?|[^\r\n\p{L}\p{N}]?[Upper]+[Lower]*C?|\p{N}{1,3}
 // | ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+   (Upper, Lower, C as in tiktoken's o200k)
-size_t o200k_next(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline size_t o200k_next(const uint8_t* s, size_t i, size_t n) {
   const uint8_t c = s[i];
   const CharInfo first = char_at(s, i, n);
   const bool prefixable = c != '\r' && c != '\n' && !in(kLetterMask | kNumberMask, first.cls);
@@ -365,6 +386,12 @@ inline uint64_t load_upto8(const uint8_t* p, uint32_t len) {
   return uint64_t{p[0]} | (uint64_t{p[len / 2]} << (8 * (len / 2))) | (uint64_t{p[len - 1]} << (8 * (len - 1)));
 }
 
+// Short keys (<= 8 bytes, zero padded): one multiply; the index uses the low bits, the tag the high.
+inline uint64_t short_hash(uint64_t word, uint32_t len) {
+  uint64_t h = (word ^ (uint64_t{len} << 59)) * 0x9E3779B97F4A7C15ull;
+  return h ^ (h >> 29);
+}
+
 inline uint64_t mix(uint64_t x) {
   x ^= x >> 32;
   x *= 0xD6E8FEB86659FD93ull;
@@ -389,85 +416,94 @@ inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
 
 class CountTable {
  public:
-  CountTable() { slots_.resize(kInitialCapacity); }
+  CountTable() { index_.assign(kInitialCapacity, 0); }
 
-  void add(const uint8_t* key, uint32_t len, int64_t pos, int64_t count = 1) {
+  [[gnu::always_inline]] inline void add(const uint8_t* key, uint32_t len, int64_t pos, int64_t count = 1) {
     const bool short_key = len <= 8;
     const uint64_t word = short_key ? load_upto8(key, len) : 0;
-    const uint64_t hash = short_key ? mix(word * 0x9E3779B97F4A7C15ull + len) : hash_long(key, len);
-    size_t mask = slots_.size() - 1;
+    const uint64_t hash = short_key ? short_hash(word, len) : hash_long(key, len);
+    const uint64_t tag = hash >> 32;
+    const size_t mask = index_.size() - 1;
     for (size_t idx = hash & mask;; idx = (idx + 1) & mask) {
-      Slot& slot = slots_[idx];
-      if (slot.count == 0) {
-        slot.hash = hash;
-        slot.len = len;
-        if (short_key) {
-          slot.data = word;
-        } else {
-          slot.data = arena_.size();
-          arena_.insert(arena_.end(), key, key + len);
-        }
-        slot.count = count;
-        slot.first_pos = pos;
-        if (++size_ * 2 > slots_.size()) grow();
+      const uint64_t slot = index_[idx];
+      if (slot == 0) {
+        insert(idx, tag, key, len, word, pos, count);
         return;
       }
-      if (slot.hash == hash && slot.len == len &&
-          (short_key ? slot.data == word : std::memcmp(arena_.data() + slot.data, key, len) == 0)) {
-        slot.count += count;
-        if (pos < slot.first_pos) slot.first_pos = pos;
-        return;
+      if ((slot >> 32) == tag) {
+        Entry& entry = entries_[(slot & 0xFFFFFFFFull) - 1];
+        if (entry.len == len &&
+            (short_key ? entry.data == word : std::memcmp(arena_.data() + entry.data, key, len) == 0)) {
+          entry.count += count;
+          if (pos < entry.first_pos) entry.first_pos = pos;
+          return;
+        }
       }
     }
   }
 
   template <typename Fn>
   void for_each(Fn&& fn) const {
-    for (const Slot& slot : slots_) {
-      if (slot.count == 0) continue;
-      if (slot.len <= 8) {
+    for (const Entry& entry : entries_) {
+      if (entry.len <= 8) {
         uint8_t bytes[8];
-        std::memcpy(bytes, &slot.data, 8);
-        fn(bytes, slot.len, slot.count, slot.first_pos);
+        std::memcpy(bytes, &entry.data, 8);
+        fn(bytes, entry.len, entry.count, entry.first_pos);
       } else {
-        fn(arena_.data() + slot.data, slot.len, slot.count, slot.first_pos);
+        fn(arena_.data() + entry.data, entry.len, entry.count, entry.first_pos);
       }
     }
   }
 
-  size_t size() const { return size_; }
+  size_t size() const { return entries_.size(); }
   void clear() {
-    slots_.assign(kInitialCapacity, Slot{});
-    arena_.clear();
-    arena_.shrink_to_fit();
-    size_ = 0;
+    index_.assign(kInitialCapacity, 0);
+    std::vector<Entry>().swap(entries_);
+    std::vector<uint8_t>().swap(arena_);
   }
 
  private:
-  struct Slot {
-    uint64_t hash = 0;
-    uint64_t data = 0;  // the key bytes (len <= 8) or its arena offset
-    int64_t count = 0;  // 0: empty slot
-    int64_t first_pos = 0;
-    uint32_t len = 0;
+  struct Entry {
+    uint64_t data;  // the key bytes (len <= 8, zero padded) or the key's arena offset
+    uint32_t len;
+    uint32_t tag;   // high hash bits, to rebuild the index
+    int64_t count;
+    int64_t first_pos;
   };
   static constexpr size_t kInitialCapacity = 1 << 12;
+  static constexpr size_t kMaxEntries = 0xFFFFFFFEull;
 
-  void grow() {
-    std::vector<Slot> old(slots_.size() * 2);
-    old.swap(slots_);
-    const size_t mask = slots_.size() - 1;
-    for (const Slot& slot : old) {
-      if (slot.count == 0) continue;
-      size_t idx = slot.hash & mask;
-      while (slots_[idx].count != 0) idx = (idx + 1) & mask;
-      slots_[idx] = slot;
+  [[gnu::noinline]] void insert(size_t idx, uint64_t tag, const uint8_t* key, uint32_t len, uint64_t word,
+                                int64_t pos, int64_t count) {
+    if (entries_.size() >= kMaxEntries) throw std::length_error("more than 2^32 - 2 unique pre-tokens");
+    Entry entry{word, len, static_cast<uint32_t>(tag), count, pos};
+    if (len > 8) {
+      entry.data = arena_.size();
+      arena_.insert(arena_.end(), key, key + len);
     }
+    entries_.push_back(entry);
+    index_[idx] = (tag << 32) | entries_.size();
+    if (entries_.size() * 2 > index_.size()) grow();
   }
 
-  std::vector<Slot> slots_;
+  void grow() {
+    std::vector<uint64_t> bigger(index_.size() * 2, 0);
+    const size_t mask = bigger.size() - 1;
+    for (uint64_t slot : index_) {
+      if (slot == 0) continue;
+      const Entry& entry = entries_[(slot & 0xFFFFFFFFull) - 1];
+      const uint64_t hash = entry.len <= 8 ? short_hash(entry.data, entry.len)
+                                           : hash_long(arena_.data() + entry.data, entry.len);
+      size_t idx = hash & mask;
+      while (bigger[idx] != 0) idx = (idx + 1) & mask;
+      bigger[idx] = slot;
+    }
+    index_.swap(bigger);
+  }
+
+  std::vector<uint64_t> index_;  // (hash tag << 32) | (entry index + 1); 0 = empty
+  std::vector<Entry> entries_;
   std::vector<uint8_t> arena_;
-  size_t size_ = 0;
 };
 
 // Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
@@ -792,6 +828,66 @@ struct PretokenCounter::Impl {
 PretokenCounter::PretokenCounter(CountOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
 PretokenCounter::~PretokenCounter() = default;
 
+namespace {
+
+// Valid UTF-8 made of complete characters, without "\r": such text decodes to itself.
+bool is_clean_utf8(const uint8_t* s, size_t n) {
+  size_t i = 0;
+  while (i < n) {
+    if (i + 8 <= n) {
+      uint64_t w;
+      std::memcpy(&w, s + i, 8);
+      if ((w & 0x8080808080808080ull) == 0) {
+        if (has_zero_byte(w ^ 0x0D0D0D0D0D0D0D0Dull)) return false;
+        i += 8;
+        continue;
+      }
+    }
+    const uint8_t b = s[i];
+    if (b < 0x80) {
+      if (b == '\r') return false;
+      ++i;
+      continue;
+    }
+    size_t need;
+    uint8_t lo = 0x80, hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) {
+      need = 1;
+    } else if (b == 0xE0) {
+      need = 2, lo = 0xA0;
+    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
+      need = 2;
+    } else if (b == 0xED) {
+      need = 2, hi = 0x9F;
+    } else if (b == 0xF0) {
+      need = 3, lo = 0x90;
+    } else if (b >= 0xF1 && b <= 0xF3) {
+      need = 3;
+    } else if (b == 0xF4) {
+      need = 3, hi = 0x8F;
+    } else {
+      return false;
+    }
+    if (i + need >= n) return false;  // unfinished at the end
+    if (s[i + 1] < lo || s[i + 1] > hi) return false;
+    for (size_t k = 2; k <= need; ++k) {
+      if ((s[i + k] & 0xC0) != 0x80) return false;
+    }
+    i += need + 1;
+  }
+  return true;
+}
+
+struct Mapping {
+  void* data = MAP_FAILED;
+  size_t size = 0;
+  ~Mapping() {
+    if (data != MAP_FAILED) ::munmap(data, size);
+  }
+};
+
+}  // namespace
+
 void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
   Impl& impl = *impl_;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -803,16 +899,73 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
   struct stat info {};
   if (::fstat(fd, &info) != 0) throw FileError(path, errno);
   if (S_ISDIR(info.st_mode)) throw FileError(path, EISDIR);
-  size_t block_bytes = impl.options.block_bytes;
-  if (S_ISREG(info.st_mode) && info.st_size >= 0) {
-    block_bytes = std::min(block_bytes, static_cast<size_t>(info.st_size) + 16);
-  }
   // Lookahead a cut needs: text[p] and any special token that might straddle p.
   const size_t lookahead = std::max<size_t>(1, impl.specials.max_length());
+
+  // Fast path: a memory-mapped regular file, counted in place while it is clean UTF-8 (checked in
+  // parallel, block by block); from the first block that is not, the decoding path below goes on.
+  Mapping mapping;
+  size_t mapped_done = 0;  // file bytes counted in place
+  if (S_ISREG(info.st_mode) && info.st_size > 0) {
+    mapping.size = static_cast<size_t>(info.st_size);
+    mapping.data = ::mmap(nullptr, mapping.size, PROT_READ, MAP_PRIVATE, fd, 0);
+  }
+  if (mapping.data != MAP_FAILED) {
+    ::madvise(mapping.data, mapping.size, MADV_SEQUENTIAL);
+    const auto* file = static_cast<const uint8_t*>(mapping.data);
+    const size_t size = mapping.size;
+    size_t block_bytes = impl.options.block_bytes;
+    while (mapped_done < size) {
+      const size_t start = mapped_done;
+      size_t end = size - start > block_bytes ? start + block_bytes : size;
+      while (end < size && end > start && (file[end] & 0xC0) == 0x80) --end;  // a character start
+      const bool eof = end == size;
+      const uint8_t* s = file + start;
+      const size_t n = end - start;
+      // Clean check in pieces cut at character starts; a piece cut badly only reads as unclean.
+      const size_t num_pieces = static_cast<size_t>(impl.options.num_threads) * 4;
+      std::vector<size_t> cuts{0};
+      for (size_t k = 1; k < num_pieces; ++k) {
+        size_t c = std::max(cuts.back(), n / num_pieces * k);
+        while (c < n && (s[c] & 0xC0) == 0x80) ++c;
+        cuts.push_back(c);
+      }
+      cuts.push_back(n);
+      std::atomic<bool> clean{true};
+      run_workers(num_pieces, impl.options.num_threads, interrupt, [&](size_t piece, int) {
+        if (clean.load(std::memory_order_relaxed) && !is_clean_utf8(s + cuts[piece], cuts[piece + 1] - cuts[piece])) {
+          clean.store(false);
+        }
+      });
+      if (!clean.load()) break;
+      std::vector<Impl::Chunk> chunks;
+      size_t done = impl.cut(s, n, eof ? n : (n > lookahead ? n - lookahead : 0), impl.stream_pos, chunks);
+      if (eof) {
+        if (done < n) chunks.push_back({s + done, n - done, impl.stream_pos + static_cast<int64_t>(done)});
+        done = n;
+      } else if (done == 0) {
+        block_bytes *= 2;  // no safe cut in this block: look further
+        continue;
+      }
+      impl.count_chunks(chunks, interrupt, bytes_done);
+      impl.stream_pos += static_cast<int64_t>(done);
+      mapped_done += done;
+      block_bytes = impl.options.block_bytes;
+    }
+    if (mapped_done == size) return;
+    // Counting stopped at a safe cut (or the start): the text before it ends with a character
+    // that is neither "\r" nor part of a longer sequence, so decoding may restart here.
+    if (::lseek(fd, static_cast<off_t>(mapped_done), SEEK_SET) < 0) throw FileError(path, errno);
+  }
+
+  size_t block_bytes = impl.options.block_bytes;
+  if (S_ISREG(info.st_mode) && info.st_size >= 0) {
+    block_bytes = std::min(block_bytes, static_cast<size_t>(info.st_size) - mapped_done + 16);
+  }
   std::vector<uint8_t> raw(block_bytes);
-  size_t raw_len = 0;      // bytes in raw (an unfinished character carried over comes first)
-  int64_t raw_offset = 0;  // file offset of raw[0]
-  std::string text;        // decoded, not yet counted
+  size_t raw_len = 0;                                 // bytes in raw (an unfinished character first)
+  int64_t raw_offset = static_cast<int64_t>(mapped_done);  // file offset of raw[0]
+  std::string text;                                   // decoded, not yet counted
   TextDecoder decoder(impl.options.errors);
   bool eof = false;
   while (!eof) {

@@ -1,0 +1,393 @@
+"""Native BPE pre-tokenizer == `regex` (tests/reference/bpe_pretokenize.py), on generated and real text."""
+
+from __future__ import annotations
+
+import array
+import inspect
+import itertools
+import lzma
+import os
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import regex
+from reference import bpe_pretokenize as ref
+from trainfast import _core
+from trainfast.bpe import PATTERNS, count_pretokens, pretokenize
+
+NAMES = ["gpt2", "cl100k", "o200k"]
+NATIVE_ID = {"gpt2": 0, "cl100k": 1, "o200k": 2}
+FUZZ = os.environ.get("HYPOTHESIS_PROFILE") == "fuzz"
+
+# Characters where the patterns differ or where Python's notions differ from `regex`'s.
+HARD = list(
+    " \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u200a\u2028\u2029\u202f\u205f\u3000"  # spaces & not
+    "\u200b\u200c\u200d\u2060\ufeff\x00\x7f"  # format / control: "other"
+    "\u0301\u0300\u0903\u20dd\u0e31"  # combining marks Mn, Mc, Me
+    "abczSTDMLVERsdmtlvre\u017f\u212aK"  # contraction letters, long s, Kelvin sign
+    "'\u2019\"`.,!?/-_<|>$#@"  # apostrophes, punctuation, cl100k/o200k trailing "/"
+    "0179\u0660\u0669\u06f5\u00b2\u2167\u3007\u2460"  # Nd (Arabic-Indic), No, Nl
+    "\u4e2d\u6587\u3042\u30fc\u02b0\u01c5\u1fbc\u00e9\u00c9\u0391\u03b1\u0430\u0410\u0915\u093f\u1780"  # Lo Lm Lt ...
+    "\U0001f600\U0001f44d\U0001f3fb\u2764\ufe0f\U00010400\U00010428\U0001d400\ufffd"
+)
+SPECIALS = ["<|endoftext|>", "<|end|>", "<|", "\n\n", "ab", "a", "é", "\u3000x"]
+
+hard_text = st.text(alphabet=st.one_of(st.sampled_from(HARD), st.characters()), max_size=60)
+special_lists = st.lists(st.sampled_from(SPECIALS), max_size=3)
+
+# The fuzz profile (`make fuzz`) runs the main differential test on >= 100,000 strings.
+many = settings(max_examples=100_000) if FUZZ else settings()
+
+
+def _random_text(rng: random.Random, max_len: int = 80) -> str:
+    pieces = []
+    for _ in range(rng.randrange(max_len)):
+        roll = rng.random()
+        if roll < 0.75:
+            pieces.append(rng.choice(HARD))
+        elif roll < 0.85:
+            pieces.append(rng.choice(["'s", "'LL", "'Ve", " 're", "\r\n", "  \n", "?!\n", ". \n/", " \u017ft"]))
+        else:
+            cp = rng.randrange(0x110000)
+            pieces.append(chr(cp) if not 0xD800 <= cp < 0xE000 else "x")
+    return "".join(pieces)
+
+
+# ----------------------------------------------------------------------------- worked examples
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a   b", ["a", "  ", " b"]),
+        ("a \n\nb", ["a", " \n", "\n", "b"]),
+        ("hello\r\nworld\r\n", ["hello", "\r", "\n", "world", "\r\n"]),
+        ("cafe\u0301", ["cafe", "\u0301"]),
+        ("I'M", ["I", "'", "M"]),
+        ("don't", ["don", "'t"]),
+        ("a\u00a0b", ["a", "\u00a0", "b"]),
+        ("x\x1cy", ["x", "\x1c", "y"]),
+        ("", []),
+    ],
+)
+def test_issue_examples_gpt2(text, expected):
+    assert pretokenize(text) == expected
+    assert ref.pretokenize(text) == expected
+
+
+def test_pattern_strings_are_the_published_ones():
+    assert PATTERNS == ref.PATTERNS
+    try:
+        from tiktoken_ext import openai_public
+    except ImportError:
+        pytest.skip("tiktoken not installed")
+    source = inspect.getsource(openai_public)
+    assert ref.CL100K in source
+    for part in ref.O200K_PARTS:
+        assert part in source
+
+
+def test_pattern_aliases_and_strings():
+    text = "Hello WORLD's 12345 \u4e2d\u6587!!\n\n"
+    assert pretokenize(text, pattern="cl100k_base") == pretokenize(text, pattern="cl100k")
+    for name in NAMES:
+        assert pretokenize(text, pattern=PATTERNS[name]) == pretokenize(text, pattern=name)
+        assert pretokenize(text, pattern=regex.compile(PATTERNS[name])) == ref.pretokenize(text, name)
+
+
+def test_custom_pattern_falls_back_to_regex():
+    text = "abc 123 def"
+    assert pretokenize(text, pattern=r"\d+|\w+") == ["abc", "123", "def"]
+    assert count_pretokens([text], pattern=r"\S+") == {b"abc": 1, b"123": 1, b"def": 1}
+    assert pretokenize("x<|e|>y z", pattern=r"\S", special_tokens=["<|e|>"]) == ["x", "<|e|>", "y", "z"]
+
+
+# ----------------------------------------------------------------------------- differential: strings
+
+
+@pytest.mark.parametrize("name", NAMES)
+@many
+@given(text=hard_text)
+def test_pretokenize_equals_regex(name, text):
+    assert pretokenize(text, pattern=name) == ref.pretokenize(text, name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(text=hard_text, specials=special_lists)
+def test_special_tokens_equal_regex_split(name, text, specials):
+    got = pretokenize(text, pattern=name, special_tokens=specials)
+    assert got == ref.pretokenize(text, name, specials)
+    assert "".join(got) == text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_seeded_random_strings(name):
+    rng = random.Random(1234 + NATIVE_ID[name])
+    for _ in range(3000 if not FUZZ else 100_000):
+        text = _random_text(rng)
+        assert pretokenize(text, pattern=name) == ref.pretokenize(text, name), repr(text)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lone_surrogates_in_str(name):
+    text = "ab\ud800cd \udfff 1\ud83d"
+    assert pretokenize(text, pattern=name) == ref.pretokenize(text, name)
+    ends = _core.bpe_pretokenize_ends(text, NATIVE_ID[name])
+    assert ends.tolist() == [m.end() for m in regex.finditer(PATTERNS[name], text)]
+
+
+def test_longest_special_token_wins():
+    assert pretokenize("a<|end|>b", special_tokens=["<|", "<|end|>"]) == ["a", "<|end|>", "b"]
+    assert pretokenize("a<|x", special_tokens=["<|", "<|end|>"]) == ["a", "<|", "x"]
+    assert pretokenize("aaa", special_tokens=["aa", "a"]) == ["aa", "a"]
+    assert count_pretokens(["x<|endoftext|>y<|endoftext|>x"], special_tokens=["<|endoftext|>"]) == {b"x": 2, b"y": 1}
+    assert pretokenize("ab", special_tokens=[]) == ["ab"]
+
+
+# ----------------------------------------------------------------------------- counting, split rule
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(docs=st.lists(hard_text, max_size=4), specials=special_lists, num_threads=st.sampled_from([1, 2, 7]))
+@settings(suppress_health_check=[HealthCheck.too_slow])
+def test_count_every_safe_split_point(name, docs, specials, num_threads):
+    # chunk_bytes=1 cuts the text at every point the split rule accepts: the proof under test.
+    counter = _core.BpePretokenCounter(NATIVE_ID[name], specials, 0, num_threads, chunk_bytes=1)
+    counter.add_documents(docs)
+    assert counter.finish() == ref.count_pretokens(docs, name, specials)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_count_every_safe_split_point_seeded(name):
+    rng = random.Random(99 + NATIVE_ID[name])
+    docs = [_random_text(rng, 400) for _ in range(300)]
+    for specials in ([], ["<|", "\n\n", "a"]):
+        counter = _core.BpePretokenCounter(NATIVE_ID[name], specials, 0, 2, chunk_bytes=1)
+        counter.add_documents(docs)
+        assert counter.finish() == ref.count_pretokens(docs, name, specials)
+
+
+@pytest.mark.parametrize("errors", ["strict", "replace", "ignore"])
+@given(
+    parts=st.lists(
+        st.one_of(
+            st.sampled_from([b"\r", b"\n", b"\r\n", b" ", b"<|e|>", b"\xe2\x82", b"\xff", b"\xed\xa0\x80", b"\xf0\x9f"]),
+            st.text(alphabet=st.sampled_from(HARD), max_size=8).map(lambda s: s.encode("utf-8")),
+        ),
+        max_size=30,
+    ),
+    block_bytes=st.sampled_from([16, 17, 64, 1 << 20]),
+)
+def test_file_decoding_like_text_mode(tmp_path_factory, errors, parts, block_bytes):
+    data = b"".join(parts)
+    path = tmp_path_factory.mktemp("decode") / "doc.txt"
+    path.write_bytes(data)
+    counter = _core.BpePretokenCounter(0, ["<|e|>"], ["strict", "replace", "ignore"].index(errors), 2,
+                                       chunk_bytes=1, block_bytes=block_bytes)
+    try:
+        expected_text = ref.read_text(path, errors)
+    except UnicodeDecodeError as error:
+        with pytest.raises(ValueError, match=f"byte offset {error.start}:"):
+            counter.add_file(str(path))
+        return
+    counter.add_file(str(path))
+    expected = ref.count_pretokens([expected_text], "gpt2", ["<|e|>"])
+    assert counter.finish() == expected
+    # bytes documents are decoded the same way
+    assert count_pretokens([data], special_tokens=["<|e|>"], errors=errors) == expected
+
+
+def test_invalid_utf8_names_offset(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"hello world\n" * 1000 + b"caf\xe9 ok")
+    with pytest.raises(ValueError, match=r"bad\.txt: invalid UTF-8 at byte offset 12003"):
+        count_pretokens(path)
+    assert count_pretokens(path, errors="replace")[b"\xef\xbf\xbd"] == 1
+    assert count_pretokens(path, errors="ignore")[b" ok"] == 1
+    with pytest.raises(ValueError, match=r"inputs\[1\]: invalid UTF-8 at byte offset 2"):
+        count_pretokens([b"ok", b"ab\x80"])
+
+
+def test_results_independent_of_threads_and_ordered_by_first_occurrence():
+    rng = random.Random(7)
+    docs = ["".join(rng.choice(["the ", "cat ", "sat\n", "on ", "mat. ", "\u4e2d\u6587 ", "12 "]) for _ in range(5000))
+            for _ in range(20)]
+    results = [count_pretokens(docs, num_threads=n) for n in (1, 2, 7)]
+    expected = ref.count_pretokens(docs)
+    for got in results:
+        assert got == expected and list(got) == list(expected)
+
+
+def test_count_inputs_forms(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("one two\r\nthree")
+    b.write_bytes(b"two\rtwo")
+    both = count_pretokens([a, b])
+    assert both == ref.count_pretokens(["one two\nthree", "two\ntwo"])
+    assert count_pretokens(str(a)) == count_pretokens(a) == ref.count_pretokens(["one two\nthree"])
+    assert count_pretokens(iter(["x y", b"x\r\ny"])) == {b"x": 2, b" y": 1, b"\n": 1, b"y": 1}
+    assert count_pretokens([]) == {}
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert count_pretokens(empty) == {}
+
+
+# ----------------------------------------------------------------------------- full corpora
+
+
+def _corpus_file(shared_dir: Path, tmp_path_factory, name: str) -> tuple[Path, str]:
+    path = tmp_path_factory.getbasetemp() / f"{name}.txt"
+    if not path.exists():
+        with lzma.open(shared_dir / "corpora" / f"{name}.txt.xz") as src:
+            path.write_bytes(src.read())
+    return path, path.read_bytes().decode("utf-8")
+
+
+CORPORA = ["austen", "kjv", "multilingual", pytest.param("gcide", marks=pytest.mark.slow)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corpus", CORPORA)
+@pytest.mark.parametrize("name", NAMES)
+def test_full_corpus_equals_regex(shared_dir, tmp_path_factory, corpus, name):
+    path, text = _corpus_file(shared_dir, tmp_path_factory, corpus)
+    tokens = regex.findall(PATTERNS[name], text)
+    ends = array.array("q", itertools.accumulate(map(len, tokens)))
+    counts = Counter(map(str.encode, tokens))
+    del tokens
+    got_ends = _core.bpe_pretokenize_ends(text, NATIVE_ID[name])
+    assert got_ends.tobytes() == ends.tobytes()
+    for num_threads in (1, 2, 7):
+        got = count_pretokens(path, pattern=name, num_threads=num_threads)
+        assert got == counts and list(got) == list(counts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corpus", ["austen", "multilingual"])
+@pytest.mark.parametrize("name", NAMES)
+def test_full_corpus_with_separators_small_chunks(shared_dir, tmp_path_factory, corpus, name):
+    path, text = _corpus_file(shared_dir, tmp_path_factory, corpus)
+    specials = ["<|endoftext|>"]
+    expected = ref.count_pretokens([text], name, specials)
+    counter = _core.BpePretokenCounter(NATIVE_ID[name], specials, 0, 2, chunk_bytes=4096, block_bytes=1 << 20)
+    counter.add_file(str(path))
+    got = counter.finish()
+    assert got == expected and list(got) == list(expected)
+
+
+def test_cs336_fixtures(shared_dir):
+    for fixture in ["corpus.en", "tinystories_sample.txt", "german.txt", "address.txt",
+                    "special_token_double_newlines_non_whitespace.txt", "special_token_trailing_newlines.txt"]:
+        path = shared_dir / "fixtures" / "cs336" / fixture
+        text = ref.read_text(path)
+        for name in NAMES:
+            for specials in ([], ["<|endoftext|>"], ["<|endoftext|>", "<|endoftext|><|endoftext|>"]):
+                assert pretokenize(text, pattern=name, special_tokens=specials) == ref.pretokenize(text, name, specials)
+                assert count_pretokens(path, pattern=name, special_tokens=specials) == ref.count_pretokens(
+                    [text], name, specials)
+
+
+# ----------------------------------------------------------------------------- generated tables
+
+
+def test_unicode_tables_are_up_to_date():
+    from trainfast.bpe import _gen_unicode_tables as gen
+
+    csrc = Path(__file__).resolve().parents[1] / "csrc" / "bpe"
+    for filename, content in gen.generate().items():
+        assert (csrc / filename).read_text() == content, f"{filename} is stale: rerun {gen.__file__}"
+    assert "do not edit" in (csrc / "unicode_tables.h").read_text().splitlines()[0]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_pattern():
+    with pytest.raises(ValueError, match="unknown pattern name 'gpt3'"):
+        pretokenize("x", pattern="gpt3")
+    with pytest.raises(ValueError, match="unknown pattern name"):
+        count_pretokens(["x"], pattern="r50k")
+    with pytest.raises(TypeError, match="pattern must be a str"):
+        pretokenize("x", pattern=3)
+    with pytest.raises(ValueError, match="pattern is not a valid regular expression"):
+        pretokenize("x", pattern="(unclosed")
+
+
+def test_bad_special_tokens():
+    with pytest.raises(TypeError, match=r"special_tokens\[1\] must be a str"):
+        pretokenize("x", special_tokens=["a", b"b"])
+    with pytest.raises(TypeError, match="special_tokens must be a sequence of str"):
+        count_pretokens(["x"], special_tokens="<|endoftext|>")
+    with pytest.raises(ValueError, match="special_tokens must not contain an empty string"):
+        pretokenize("x", special_tokens=["a", ""])
+    with pytest.raises(ValueError, match="special_tokens must not contain an empty string"):
+        count_pretokens(["x"], special_tokens=[""])
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] contains a lone surrogate"):
+        pretokenize("x", special_tokens=["\ud800"])
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        count_pretokens(tmp_path / "missing.txt")
+    with pytest.raises(FileNotFoundError):
+        count_pretokens([tmp_path / "missing.txt"])
+    with pytest.raises(IsADirectoryError):
+        count_pretokens(tmp_path)
+    with pytest.raises(TypeError, match=r"inputs\[1\] must be str or bytes"):
+        count_pretokens(["a", 3])
+    with pytest.raises(TypeError, match="inputs must be"):
+        count_pretokens(42)
+    with pytest.raises(TypeError, match="inputs must be"):
+        count_pretokens(b"raw bytes")
+    with pytest.raises(ValueError, match=r"inputs\[0\] contains a lone surrogate"):
+        count_pretokens(["\ud800"])
+    with pytest.raises(TypeError, match="text must be a str"):
+        pretokenize(b"bytes")
+    with pytest.raises(ValueError, match="errors must be one of"):
+        count_pretokens(["x"], errors="surrogateescape")
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        count_pretokens(["x"], num_threads=0)
+    with pytest.raises(TypeError, match="num_threads must be an int"):
+        count_pretokens(["x"], num_threads=1.5)
+    with pytest.raises(TypeError, match="show_progress must be a bool"):
+        count_pretokens(["x"], show_progress="yes")
+    with pytest.raises(ValueError, match="pattern must be 0"):
+        _core.bpe_pretokenize("x", 7, [])
+
+
+def test_progress_reporting(tmp_path, caplog):
+    path = tmp_path / "doc.txt"
+    path.write_text("hello world\n" * 1000)
+    with caplog.at_level("INFO", logger="trainfast.bpe"):
+        assert count_pretokens(path, show_progress=True) == count_pretokens(path)
+    assert any("pre-tokenized" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("errors", ["strict", "replace", "ignore"])
+@pytest.mark.parametrize("dirt", [b"\r", b"\r\n", b"\xe9", b"\xe2\x82", b"<|e|>\r"])
+def test_file_turning_unclean_midway(tmp_path, errors, dirt):
+    # Clean blocks are counted in place (memory-mapped); decoding takes over from the first unclean one.
+    rng = random.Random(len(dirt))
+    lines = ["".join(rng.choice(HARD[:40] + ["word", " the", "<|e|>"]) for _ in range(30)) for _ in range(200)]
+    data = "\n".join(lines).encode("utf-8", "surrogatepass") + b" x" + dirt + b"tail\r"
+    data += "\n".join(lines[:50]).encode("utf-8")
+    path = tmp_path / "doc.txt"
+    path.write_bytes(data)
+    for block_bytes, chunk_bytes in [(64, 16), (1000, 1), (1 << 20, 1 << 20)]:
+        counter = _core.BpePretokenCounter(1, ["<|e|>"], ["strict", "replace", "ignore"].index(errors), 2,
+                                           chunk_bytes=chunk_bytes, block_bytes=block_bytes)
+        try:
+            expected_text = ref.read_text(path, errors)
+        except UnicodeDecodeError as error:
+            with pytest.raises(ValueError, match=f"byte offset {error.start}:"):
+                counter.add_file(str(path))
+            continue
+        counter.add_file(str(path))
+        got = counter.finish()
+        expected = ref.count_pretokens([expected_text], "cl100k", ["<|e|>"])
+        assert got == expected and list(got) == list(expected)
