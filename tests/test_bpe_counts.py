@@ -103,7 +103,7 @@ def test_mismatched_settings(parts):
         _ = a + count_words(parts[:1], [EOT], pattern="cl100k", show_progress=False)
     with pytest.raises(ValueError, match="special_tokens .* differ from those the counts were taken with"):
         train_from_counts(a, 600, ["<|pad|>"], show_progress=False)
-    with pytest.raises(TypeError, match="counts must be a WordCounts"):
+    with pytest.raises(TypeError, match="word_counts must be a WordCounts"):
         train_from_counts([1, 2], 600)
     with pytest.raises(ValueError, match="vocab_size"):
         train_from_counts(a, 10, show_progress=False)

@@ -259,7 +259,7 @@ def count_words(
 
 
 def train_from_counts(
-    counts: WordCounts | dict[bytes, int],
+    word_counts: WordCounts | dict[bytes, int],
     vocab_size: int,
     special_tokens: Sequence[str] | None = None,
     *,
@@ -269,17 +269,17 @@ def train_from_counts(
     defaults to the ones counted with and must equal them (they also take ids 256...)."""
     from trainfast.bpe import train as train_module
 
-    if isinstance(counts, WordCounts):
+    if isinstance(word_counts, WordCounts):
         if special_tokens is None:
-            special_tokens = list(counts.special_tokens)
-        elif isinstance(special_tokens, (str, bytes)) or list(special_tokens) != list(counts.special_tokens):
+            special_tokens = list(word_counts.special_tokens)
+        elif isinstance(special_tokens, (str, bytes)) or list(special_tokens) != list(word_counts.special_tokens):
             raise ValueError(
                 f"special_tokens {special_tokens!r} differ from those the counts were taken with "
-                f"{list(counts.special_tokens)!r}; train_bpe would have counted different pre-tokens"
+                f"{list(word_counts.special_tokens)!r}; train_bpe would have counted different pre-tokens"
             )
-        table = counts.counts
-    elif isinstance(counts, dict):
-        table = counts
+        table = word_counts.counts
+    elif isinstance(word_counts, dict):
+        table = word_counts
     else:
-        raise TypeError(f"counts must be a WordCounts or dict[bytes, int] (got {type(counts).__name__})")
+        raise TypeError(f"word_counts must be a WordCounts or dict[bytes, int] (got {type(word_counts).__name__})")
     return train_module.train_from_counts(table, vocab_size, list(special_tokens or ()), show_progress=show_progress)
