@@ -236,3 +236,34 @@ def test_shard_files_balances_bytes(parts):
 def test_distributed_needs_initialized_process_group(parts):
     with pytest.raises(RuntimeError, match="not initialized"):
         distributed.count_words(parts)
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def test_cli_count_then_train_from_counts(parts, tmp_path, capsys):
+    from trainfast.bpe import load
+    from trainfast.cli import main
+
+    for idx, part in enumerate(parts[:3]):
+        assert main(["bpe", "count", str(part), "--out", str(tmp_path / f"c{idx}.tfwc"), "--special-token", EOT,
+                     "--no-progress"]) == 0
+    assert main(["bpe", "train", "--from-counts", *(str(tmp_path / f"c{idx}.tfwc") for idx in range(3)),
+                 "--vocab-size", "700", "--out", str(tmp_path / "from_counts"), "--no-progress"]) == 0
+    assert main(["bpe", "train", *map(str, parts[:3]), "--vocab-size", "700", "--special-token", EOT,
+                 "--out", str(tmp_path / "direct"), "--no-progress"]) == 0
+    assert load(tmp_path / "from_counts") == load(tmp_path / "direct") == train_bpe(parts[:3], 700, [EOT],
+                                                                                    show_progress=False)
+    assert "distinct pre-tokens" in capsys.readouterr().out
+
+
+def test_cli_bad_input(parts, tmp_path):
+    from trainfast.cli import main
+
+    (tmp_path / "bad.tfwc").write_bytes(b"TFWC\x01\x00\x00\x00garbage")
+    assert main(["bpe", "train", "--from-counts", str(tmp_path / "bad.tfwc"), "--vocab-size", "300",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert main(["bpe", "train", "--vocab-size", "300", "--out", str(tmp_path / "x")]) == 2
+    assert main(["bpe", "train", str(parts[0]), "--from-counts", str(tmp_path / "bad.tfwc"), "--vocab-size", "300",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()

@@ -356,3 +356,22 @@ def test_from_files_round_trips_saved_tokenizer(tmp_path, small):
     assert tok.encode(text) == ref.encode(text)
     assert tok.vocab == vocab and tok.merges == merges
     assert json.loads((tmp_path / "vocab.json").read_text(encoding="utf-8"))
+
+
+def test_cli_encode_and_export(shared_dir, tmp_path, small):
+    import tokenizers
+
+    from trainfast.bpe import save
+    from trainfast.cli import main
+
+    vocab, merges = small
+    save(vocab, merges, tmp_path / "tok")
+    text_path = _fixture(shared_dir, "tinystories_sample.txt")
+    assert main(["bpe", "encode", str(text_path), "--tokenizer", str(tmp_path / "tok"), "--special-token", EOT,
+                 "--out", str(tmp_path / "ids.npy")]) == 0
+    expected = ReferenceTokenizer(vocab, merges, [EOT]).encode(text_path.read_text(encoding="utf-8"))
+    assert np.load(tmp_path / "ids.npy").tolist() == expected
+    assert main(["bpe", "export", "--tokenizer", str(tmp_path / "tok"), "--special-token", EOT,
+                 "--hf", str(tmp_path / "tokenizer.json")]) == 0
+    hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert hf.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False).ids == expected
