@@ -49,9 +49,9 @@ inline bool regex_boundary(const uint8_t* s, size_t n, size_t p) {
   return s[p - 1] == '\n' && is_ascii_letter(s[p]) && is_ascii_graph(s[p - 2]);
 }
 
-constexpr size_t kMaxCachedPiece = 128;        // longer pre-tokens are rare and merged each time
+constexpr size_t kMaxCachedPiece = 1024;       // longer pre-tokens are rare and merged each time
 constexpr size_t kMaxCacheEntries = size_t{1} << 20;
-constexpr size_t kSmallPiece = 256;            // above: heap-based merging (O(n log n))
+constexpr size_t kSmallPiece = 48;             // above: heap-based merging (O(n log n))
 constexpr size_t kBlockBytes = size_t{1} << 20;  // text is pre-tokenized in blocks of about this
 
 }  // namespace
@@ -382,6 +382,7 @@ void BpeEncoder::encode_with(std::string_view text, std::vector<uint32_t>& out, 
                              Interrupt* interrupt) const {
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
   const size_t n = text.size();
+  out.reserve(out.size() + n / 3 + 1);  // English averages over 4 bytes per token: rarely regrows
   size_t i = 0;
   while (i <= n) {
     const auto [special_start, special_length] = specials_.empty() ? std::pair<size_t, size_t>{n, 0}
