@@ -33,7 +33,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     from reference.bpe_tokenizer import tiktoken_gpt2
 
-    repeats = 2 if args.quick else 5
+    repeats = 2 if args.quick else 3
     limit = 500_000 if args.quick else None
     tok = Tokenizer.from_files(FIXTURES / "gpt2_vocab.json", FIXTURES / "gpt2_merges.txt", [EOT])
     enc = tiktoken_gpt2(FIXTURES / "gpt2_vocab.json")

@@ -79,7 +79,7 @@ def test_corpora_match_tiktoken(shared_dir, gpt2, tiktoken_enc, name, num_chars)
 
 _TEXT_ALPHABET = st.sampled_from(
     list("aAzZ09 '\n\t\r.,!?-sdmtlvre") + ["  ", "\n\n", " \n", "'s", "'ll", "é", "ß", "中", "文", "😀", "\u00a0",
-                                           "\u2003", "١", "Ⅻ", "\u0301", "\x00", "<|endoftext|>", "<|endof", "ext|>"]
+                                           "\u2003", "\u3000", "。", "١", "Ⅻ", "\u0301", "\x00", "x\n", "中\n", "<|endoftext|>", "<|endof", "ext|>"]
 )
 _texts = st.lists(_TEXT_ALPHABET, max_size=60).map("".join)
 _any_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80)
@@ -224,6 +224,22 @@ def test_encode_iterable_over_file_handle_is_lazy(shared_dir, gpt2, tmp_path):
 
     first = list(itertools.islice(gpt2.encode_iterable(endless()), 100_000))
     assert len(first) == 100_000 and gpt2.decode(first[:10]).startswith("Once upon a time")
+
+
+@pytest.mark.parametrize("line", ["中文的句子。\n", "Ñandú corre\n", "日本語\u3000テキスト\n", "a\n"])
+def test_encode_iterable_streams_without_ascii(gpt2, line):
+    consumed = 0
+
+    def lines():
+        nonlocal consumed
+        for _ in range(100_000):
+            consumed += 1
+            yield line
+
+    stream = gpt2.encode_iterable(lines())
+    first = next(stream)
+    assert consumed < 50_000  # yielded long before the input ran out: the buffer stays bounded
+    assert [first, *stream] == gpt2.encode(line * 100_000)
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 4])

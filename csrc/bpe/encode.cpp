@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "bpe/unicode_tables.h"
 #include "common/check.h"
 
 namespace trainfast::bpe {
@@ -37,16 +38,37 @@ inline uint64_t hash_bytes(const uint8_t* p, size_t n) {
   return mix64(h);
 }
 
-inline bool is_ascii_letter(uint8_t c) { return static_cast<uint8_t>((c | 0x20) - 'a') < 26; }
-inline bool is_ascii_graph(uint8_t c) { return c >= 0x21 && c <= 0x7E; }
+// Code point of the UTF-8 character starting at s[p] (p < n), and its byte length.
+inline std::pair<char32_t, size_t> decode_at(const uint8_t* s, size_t n, size_t p) {
+  const uint8_t b = s[p];
+  size_t len = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
+  if (b >= 0x80 && b < 0xC0) return {0xFFFD, 1};  // stray continuation byte
+  if (p + len > n) return {0xFFFD, 1};
+  char32_t cp = len == 1 ? b : len == 2 ? (b & 0x1F) : len == 3 ? (b & 0x0F) : (b & 0x07);
+  for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (s[p + k] & 0x3F);
+  return {cp, len};
+}
+
+// Code point of the UTF-8 character ending just before s[end] (end > 0).
+inline char32_t decode_before(const uint8_t* s, size_t end) {
+  size_t start = end - 1;
+  while (start > 0 && end - start < 4 && (s[start] & 0xC0) == 0x80) --start;
+  return decode_at(s, end, start).first;
+}
+
+inline bool is_letter(char32_t cp) {
+  const auto c = unicode::char_class(cp);
+  return c == unicode::kUpper || c == unicode::kLower || c == unicode::kLetterBoth;
+}
+inline bool is_space(char32_t cp) { return unicode::char_class(cp) == unicode::kSpace; }
 
 // True when every supported pattern (gpt2, cl100k, o200k) must start a pre-token at byte p and the
-// pre-tokens before p do not depend on the text from p + 1 on: "<graph> <letter>" (cut before the
-// space) or "<graph>\n<letter>" (cut after the newline).
+// pre-tokens before p do not depend on the text from p on: "<non-space> <letter>" (cut before the
+// space) or "<non-space>\n<letter>" (cut after the newline). Letters and \s as `regex` defines them.
 inline bool regex_boundary(const uint8_t* s, size_t n, size_t p) {
   if (p < 2 || p + 1 >= n) return false;
-  if (s[p] == ' ') return is_ascii_graph(s[p - 1]) && is_ascii_letter(s[p + 1]);
-  return s[p - 1] == '\n' && is_ascii_letter(s[p]) && is_ascii_graph(s[p - 2]);
+  if (s[p] == ' ') return !is_space(decode_before(s, p)) && is_letter(decode_at(s, n, p + 1).first);
+  return s[p - 1] == '\n' && is_letter(decode_at(s, n, p).first) && !is_space(decode_before(s, p - 1));
 }
 
 constexpr size_t kMaxCachedPiece = 1024;       // longer pre-tokens are rare and merged each time

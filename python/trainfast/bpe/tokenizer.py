@@ -13,6 +13,7 @@ vocabulary and merges this equals ``tiktoken``'s ``gpt2`` encoding::
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -156,10 +157,17 @@ class Tokenizer:
         num_threads = resolve_num_threads(num_threads)
         if self._regex is not None:
             return [self._encode_regex(_clean_surrogates(text)) for text in texts]
+        # Many new lists would trigger the cyclic GC over and over; lists of ints hold no cycles.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
-            return self._native.encode_batch(texts, num_threads)
-        except UnicodeEncodeError:
-            return self._native.encode_batch([_clean_surrogates(t) for t in texts], num_threads)
+            try:
+                return self._native.encode_batch(texts, num_threads)
+            except UnicodeEncodeError:
+                return self._native.encode_batch([_clean_surrogates(t) for t in texts], num_threads)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
 
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Lazily yields the ids of ``"".join(iterable)`` (e.g. a text file handle), holding only a
