@@ -99,6 +99,22 @@ def test_long_pretokens_match_tiktoken(gpt2, tiktoken_enc, text):
     assert gpt2.encode(text) == tiktoken_enc.encode(text)
 
 
+def test_pickle_round_trip(small):
+    import pickle
+
+    vocab, merges = small
+    tok = Tokenizer(vocab, merges, [EOT, "<|pad|>"], pattern="cl100k")
+    again = pickle.loads(pickle.dumps(tok))
+    text = f"some text<|pad|> 123456{EOT}"
+    assert again.encode(text) == tok.encode(text) and again.vocab == tok.vocab and again.pattern == "cl100k"
+
+
+def test_encode_iterable_surrogate_pair_across_chunks(gpt2, tiktoken_enc, monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "_STREAM_CHARS", 4)
+    chunks = ["ab cd x\ud83d", "\ude00 yz ab", "\ud800", " ok"]
+    assert list(gpt2.encode_iterable(chunks)) == gpt2.encode("".join(chunks)) == tiktoken_enc.encode("".join(chunks))
+
+
 def test_lone_surrogates_replaced_like_tiktoken(gpt2, tiktoken_enc):
     for text in ["a\ud800b", "\udfff", "x\ud83d\ude00y", "ok"]:
         assert gpt2.encode(text) == tiktoken_enc.encode(text)

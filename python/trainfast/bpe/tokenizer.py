@@ -96,6 +96,13 @@ class Tokenizer:
             ordered = sorted(self._special_tokens, key=len, reverse=True)
             self._special_splitter = regex.compile("(" + "|".join(regex.escape(t) for t in ordered) + ")")
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"vocab": self._vocab, "merges": self._merges, "special_tokens": self._special_tokens,
+                "pattern": self._pattern}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["vocab"], state["merges"], state["special_tokens"], pattern=state["pattern"])
+
     @classmethod
     def from_files(
         cls,
@@ -189,9 +196,13 @@ class Tokenizer:
             pending_chars += len(chunk)
             if self._regex is not None or pending_chars < next_try:
                 continue
-            buffer = _clean_surrogates("".join(pending))
+            buffer = "".join(pending)
+            held = ""
+            if "\ud800" <= buffer[-1] <= "\udbff":  # may pair with a low surrogate in the next chunk
+                buffer, held = buffer[:-1], buffer[-1]
+            buffer = _clean_surrogates(buffer)
             ids, used = self._native.encode_prefix(buffer)
-            rest = buffer[used:]
+            rest = buffer[used:] + held
             pending, pending_chars = [rest], len(rest)
             next_try = max(_STREAM_CHARS, 2 * pending_chars)
             yield from ids
