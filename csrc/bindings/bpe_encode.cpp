@@ -30,13 +30,19 @@ std::string_view utf8_view(const py::handle& obj, const std::string& name) {
   return {data, static_cast<size_t>(size)};
 }
 
-py::list to_list(const uint32_t* ids, size_t n) {
+// A list of the ids, sharing one int object per id (`id_objects`) instead of allocating one each.
+py::list to_list(const uint32_t* ids, size_t n, const std::vector<py::object>& id_objects) {
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
   if (list == nullptr) throw py::error_already_set();
   py::list out = py::reinterpret_steal<py::list>(list);
   for (size_t k = 0; k < n; ++k) {
-    PyObject* value = PyLong_FromUnsignedLong(ids[k]);
-    if (value == nullptr) throw py::error_already_set();
+    PyObject* value = ids[k] < id_objects.size() ? id_objects[ids[k]].ptr() : nullptr;
+    if (value != nullptr) {
+      Py_INCREF(value);
+    } else {
+      value = PyLong_FromUnsignedLong(ids[k]);
+      if (value == nullptr) throw py::error_already_set();
+    }
     PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), value);
   }
   return out;
@@ -84,6 +90,8 @@ class Encoder {
         token_views, span_1d(ids, "ids"), span_1d(merge_left, "merge_left"), span_1d(merge_right, "merge_right"),
         span_1d(merge_result, "merge_result"), special_views, span_1d(special_ids, "special_ids"),
         static_cast<bpe::Pattern>(pattern));
+    id_objects_.reserve(encoder_->vocab_id_limit());
+    for (size_t id = 0; id < encoder_->vocab_id_limit(); ++id) id_objects_.push_back(py::int_(id));
   }
 
   py::list encode(const py::handle& text) {
@@ -94,7 +102,7 @@ class Encoder {
       py::gil_scoped_release release;
       encoder_->encode(utf8, ids, &interrupt);
     }
-    return to_list(ids.data(), ids.size());
+    return to_list(ids.data(), ids.size(), id_objects_);
   }
 
   py::list encode_batch(const py::list& texts, int num_threads) {
@@ -109,7 +117,7 @@ class Encoder {
     }
     py::list out(results.size());
     for (size_t k = 0; k < results.size(); ++k) {
-      out[k] = to_list(results[k].data(), results[k].size());
+      out[k] = to_list(results[k].data(), results[k].size(), id_objects_);
       std::vector<uint32_t>().swap(results[k]);
     }
     return out;
@@ -130,7 +138,7 @@ class Encoder {
       num_chars = 0;
       for (size_t b = 0; b < cut; ++b) num_chars += (static_cast<uint8_t>(utf8[b]) & 0xC0) != 0x80;
     }
-    return py::make_tuple(to_list(ids.data(), ids.size()), num_chars);
+    return py::make_tuple(to_list(ids.data(), ids.size(), id_objects_), num_chars);
   }
 
   // Ids of pre-tokens cut by the caller (custom patterns); each piece is merged on its own.
@@ -143,7 +151,7 @@ class Encoder {
       py::gil_scoped_release release;
       for (const auto& piece : views) encoder_->encode_piece(piece, ids);
     }
-    return to_list(ids.data(), ids.size());
+    return to_list(ids.data(), ids.size(), id_objects_);
   }
 
   py::bytes decode_bytes(const py::handle& ids) {
@@ -162,6 +170,7 @@ class Encoder {
 
  private:
   std::unique_ptr<bpe::BpeEncoder> encoder_;
+  std::vector<py::object> id_objects_;  // int objects of ids 0 .. vocab_id_limit - 1
 };
 
 }  // namespace
