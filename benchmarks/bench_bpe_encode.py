@@ -77,6 +77,10 @@ def main() -> None:
             (lambda: [e.ids for e in hf.encode_batch(docs, add_special_tokens=False)])
             if hf is not None and name == "austen" else None)
         if name == "austen":
+            blocks = [text[k:k + 65536] for k in range(0, len(text), 65536)]
+            row(f"`encode_batch` austen 64 KiB blocks ({len(blocks)} texts, {num_threads} threads)", num_bytes,
+                lambda: enc.encode_batch(blocks, num_threads=num_threads, allowed_special="all"),
+                lambda: tok.encode_batch(blocks, num_threads=num_threads))
             ids = tok.encode(text)
             row("`decode` austen", num_bytes, lambda: enc.decode(ids), lambda: tok.decode(ids))
 

@@ -5,11 +5,11 @@ merge loop, and remembers the pattern and special tokens used. ``a + b`` adds co
 sets of inputs; ``train_from_counts(counts, vocab_size)`` then gives exactly the ``(vocab, merges)``
 ``train_bpe`` gives on all those inputs together::
 
-    a = count_words(["part1.txt"], special_tokens=["<|endoftext|>"])
-    b = count_words(["part2.txt"], special_tokens=["<|endoftext|>"])
+    a = count_words(Path("part1.txt"), special_tokens=["<|endoftext|>"])
+    b = count_words(Path("part2.txt"), special_tokens=["<|endoftext|>"])
     (a + b).save("counts.tfwc")
     vocab, merges = train_from_counts(WordCounts.load("counts.tfwc"), 32_000)
-    # == train_bpe(["part1.txt", "part2.txt"], 32_000, ["<|endoftext|>"])
+    # == train_bpe([Path("part1.txt"), Path("part2.txt")], 32_000, ["<|endoftext|>"])
 
 File format (little endian): ``b"TFWC"``, u32 version (1), u32 header length, a UTF-8 JSON header
 (pattern, special_tokens, num_words), then u32 lengths[num_words], i64 counts[num_words], the
@@ -243,8 +243,10 @@ def count_words(
     errors: str = "strict",
     show_progress: bool = True,
 ) -> WordCounts:
-    """Pre-token counts of files (a path or list of paths) or an iterable of ``str``/``bytes`` documents,
-    exactly those ``train_bpe`` trains on (each input is pre-tokenized on its own)."""
+    """Pre-token counts of files or documents, exactly those ``train_bpe`` trains on (each input is
+    pre-tokenized on its own). ``inputs`` is read as ``count_pretokens`` reads it: one path (str or
+    ``os.PathLike``), a list of ``os.PathLike`` paths (e.g. ``pathlib.Path``), or an iterable of
+    ``str``/``bytes`` documents (so a list of ``str`` is documents, not file names)."""
     from trainfast.bpe.pretokenize import count_pretokens
     from trainfast.bpe.tokenizer import _check_special_tokens
 
