@@ -104,6 +104,8 @@ def _worker(system: str, path: str, vocab_size: int, threads: int, repeats: int)
     results = [_SYSTEMS[system](path, vocab_size, threads) for _ in range(repeats)]
     result = sorted(results, key=lambda r: r["total"])[len(results) // 2]  # the median run
     result["rss"] = _peak_rss()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["cpu"] = (usage.ru_utime + usage.ru_stime) / repeats  # all threads, per run (with imports)
     print("RESULT " + json.dumps(result))
 
 
@@ -184,17 +186,19 @@ def main() -> None:
                 ratio = "1.0x" if system == "trainfast" else (
                     f"{result['total'] / native['total']:.1f}x slower" if native else "–")
                 rows.append([label, vocab_size, system, _fmt(result.get("pretok")), _fmt(result.get("merges")),
-                             _fmt(result["total"]), ratio, f"{result['rss'] / 2**20:.0f} MiB"])
+                             _fmt(result["total"]), ratio, _fmt(result["cpu"]), f"{result['rss'] / 2**20:.0f} MiB"])
                 print("  " + " | ".join(map(str, rows[-1])), flush=True)
 
         table = markdown_table(
-            ["corpus", "vocab", "system", "pre-tokenize + count", "merges", "total", "vs trainfast", "peak RSS"], rows)
+            ["corpus", "vocab", "system", "pre-tokenize + count", "merges", "total (wall)", "vs trainfast", "CPU time",
+             "peak RSS"], rows)
         print(table)
         body = (f"BPE training (`trainfast.bpe.train_bpe`, CS336 semantics), {threads} threads for every system, "
                 "each in its own process (peak RSS includes the interpreter). HF tokenizers: BpeTrainer with the "
                 "ByteLevel pre-tokenizer (GPT-2 regex, add_prefix_space=False; it pre-tokenizes line by line); "
                 "rustbpe: GPT-2 pattern, ~1 MB pieces. Both report only their total. trainfast totals include "
-                "the file read; merges are exactly CS336's (HF/rustbpe break ties differently).\n\n" + table)
+                "the file read; merges are exactly CS336's (HF/rustbpe break ties differently). CPU time: user + sys "
+                "of the whole process, all threads (less sensitive than wall time to a busy machine).\n\n" + table)
         if notes:
             body += "\n\n" + "\n".join(f"Note: {note}." for note in sorted(notes))
         if args.write_readme:
