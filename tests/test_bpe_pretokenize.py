@@ -100,7 +100,12 @@ def test_pattern_aliases_and_strings():
         assert pretokenize(text, pattern=regex.compile(PATTERNS[name])) == ref.pretokenize(text, name)
 
 
-def test_custom_pattern_falls_back_to_regex():
+def test_custom_pattern_falls_back_to_regex(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_bytes(b"a b<|e|>\r\nb\xff")
+    assert count_pretokens(path, pattern=r"\S+|\s+", special_tokens=["<|e|>"], errors="replace") == {
+        b"a": 1, b" ": 1, b"b": 1, b"\n": 1, b"b\xef\xbf\xbd": 1}
+    assert count_pretokens([b"x\r\ny"], pattern=r"\S+|\s+") == {b"x": 1, b"\n": 1, b"y": 1}
     text = "abc 123 def"
     assert pretokenize(text, pattern=r"\d+|\w+") == ["abc", "123", "def"]
     assert count_pretokens([text], pattern=r"\S+") == {b"abc": 1, b"123": 1, b"def": 1}
@@ -391,3 +396,36 @@ def test_file_turning_unclean_midway(tmp_path, errors, dirt):
         got = counter.finish()
         expected = ref.count_pretokens([expected_text], "cl100k", ["<|e|>"])
         assert got == expected and list(got) == list(expected)
+
+
+def test_cli_pretokenize(tmp_path, capsys):
+    from trainfast.cli import main
+
+    path = tmp_path / "doc.txt"
+    path.write_text("the cat<|endoftext|> the dog the end\n")
+    assert main(["pretokenize", str(path), "--special-token", "<|endoftext|>", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "7 pre-tokens, 6 unique" in out and "b' the'" in out
+    assert main(["pretokenize", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_ctrl_c_stops_counting(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 3_000_000)  # 132 MB
+    script = (
+        "import os, signal, threading, sys\n"
+        "from trainfast.bpe import count_pretokens\n"
+        "threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "try:\n"
+        "    count_pretokens(sys.argv[1], num_threads=2)\n"
+        "    print('finished')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.stdout.strip() == "interrupted", out.stderr

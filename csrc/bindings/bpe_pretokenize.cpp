@@ -156,9 +156,11 @@ class Counter {
     const size_t num_docs = documents.size();
     std::vector<std::string_view> views(num_docs);
     std::vector<uint8_t> is_text(num_docs);
-    std::vector<py::object> owners;
+    std::vector<py::object> owners;  // keeps every document alive while the GIL is released
+    owners.reserve(num_docs);
     for (size_t k = 0; k < num_docs; ++k) {
       py::handle doc = documents[k];
+      owners.push_back(py::reinterpret_borrow<py::object>(doc));
       const std::string name = "inputs[" + std::to_string(first_index + static_cast<int64_t>(k)) + "]";
       if (PyUnicode_Check(doc.ptr())) {
         py::object owner;

@@ -318,7 +318,7 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
 }
 
 template <Pattern P>
-inline size_t next_end(const uint8_t* s, size_t i, size_t n) {
+[[gnu::always_inline]] inline size_t next_end(const uint8_t* s, size_t i, size_t n) {
   if constexpr (P == Pattern::kGpt2) return gpt2_next(s, i, n);
   if constexpr (P == Pattern::kCl100k) return cl100k_next(s, i, n);
   if constexpr (P == Pattern::kO200k) return o200k_next(s, i, n);
@@ -386,10 +386,12 @@ inline uint64_t load_upto8(const uint8_t* p, uint32_t len) {
   return uint64_t{p[0]} | (uint64_t{p[len / 2]} << (8 * (len / 2))) | (uint64_t{p[len - 1]} << (8 * (len - 1)));
 }
 
-// Short keys (<= 8 bytes, zero padded): one multiply; the index uses the low bits, the tag the high.
+// Short keys (<= 8 bytes, zero padded): every key bit reaches the low (index) and high (tag) bits.
 inline uint64_t short_hash(uint64_t word, uint32_t len) {
   uint64_t h = (word ^ (uint64_t{len} << 59)) * 0x9E3779B97F4A7C15ull;
-  return h ^ (h >> 29);
+  h ^= h >> 32;
+  h *= 0xD6E8FEB86659FD93ull;
+  return h ^ (h >> 32);
 }
 
 inline uint64_t mix(uint64_t x) {
@@ -418,22 +420,45 @@ class CountTable {
  public:
   CountTable() { index_.assign(kInitialCapacity, 0); }
 
-  [[gnu::always_inline]] inline void add(const uint8_t* key, uint32_t len, int64_t pos, int64_t count = 1) {
+  // A key with its hash, computed ahead so its slots can be prefetched.
+  struct Key {
+    const uint8_t* data;
+    uint32_t len;
+    uint64_t word;  // the bytes of a short key (len <= 8), zero padded
+    uint64_t hash;
+  };
+
+  [[gnu::always_inline]] static inline Key make_key(const uint8_t* data, uint32_t len) {
     const bool short_key = len <= 8;
-    const uint64_t word = short_key ? load_upto8(key, len) : 0;
-    const uint64_t hash = short_key ? short_hash(word, len) : hash_long(key, len);
-    const uint64_t tag = hash >> 32;
+    const uint64_t word = short_key ? load_upto8(data, len) : 0;
+    return {data, len, word, short_key ? short_hash(word, len) : hash_long(data, len)};
+  }
+
+  // Pulls the key's first index slot, then (once that is cached) its entry, toward the cache.
+  [[gnu::always_inline]] inline void prefetch_slot(const Key& key) const {
+    __builtin_prefetch(&index_[key.hash & (index_.size() - 1)]);
+  }
+  [[gnu::always_inline]] inline void prefetch_entry(const Key& key) const {
+    const uint64_t slot = index_[key.hash & (index_.size() - 1)];
+    if (slot != 0) __builtin_prefetch(&entries_[(slot & 0xFFFFFFFFull) - 1]);
+  }
+
+  void add(const uint8_t* data, uint32_t len, int64_t pos, int64_t count = 1) { add(make_key(data, len), pos, count); }
+
+  [[gnu::always_inline]] inline void add(const Key& key, int64_t pos, int64_t count = 1) {
+    const bool short_key = key.len <= 8;
+    const uint64_t tag = key.hash >> 32;
     const size_t mask = index_.size() - 1;
-    for (size_t idx = hash & mask;; idx = (idx + 1) & mask) {
+    for (size_t idx = key.hash & mask;; idx = (idx + 1) & mask) {
       const uint64_t slot = index_[idx];
       if (slot == 0) {
-        insert(idx, tag, key, len, word, pos, count);
+        insert(idx, tag, key.data, key.len, key.word, pos, count);
         return;
       }
       if ((slot >> 32) == tag) {
         Entry& entry = entries_[(slot & 0xFFFFFFFFull) - 1];
-        if (entry.len == len &&
-            (short_key ? entry.data == word : std::memcmp(arena_.data() + entry.data, key, len) == 0)) {
+        if (entry.len == key.len &&
+            (short_key ? entry.data == key.word : std::memcmp(arena_.data() + entry.data, key.data, key.len) == 0)) {
           entry.count += count;
           if (pos < entry.first_pos) entry.first_pos = pos;
           return;
@@ -470,7 +495,7 @@ class CountTable {
     int64_t count;
     int64_t first_pos;
   };
-  static constexpr size_t kInitialCapacity = 1 << 12;
+  static constexpr size_t kInitialCapacity = 1 << 14;
   static constexpr size_t kMaxEntries = 0xFFFFFFFEull;
 
   [[gnu::noinline]] void insert(size_t idx, uint64_t tag, const uint8_t* key, uint32_t len, uint64_t word,
@@ -767,10 +792,23 @@ struct PretokenCounter::Impl {
 
   template <Pattern P>
   void count_segment(const uint8_t* s, size_t n, int64_t pos, CountTable& table) const {
+    // In batches: scan and hash a batch of pre-tokens prefetching their index slots, then their
+    // entries, then count them; this hides most cache misses of a large table.
+    constexpr int kBatch = 16;
+    CountTable::Key keys[kBatch];
+    int64_t starts[kBatch];
     for (size_t i = 0; i < n;) {
-      const size_t e = next_end<P>(s, i, n);
-      table.add(s + i, static_cast<uint32_t>(e - i), pos + static_cast<int64_t>(i));
-      i = e;
+      int m = 0;
+      for (; m < kBatch && i < n; ++m) {
+        const size_t e = next_end<P>(s, i, n);
+        if (e - i > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
+        keys[m] = CountTable::make_key(s + i, static_cast<uint32_t>(e - i));
+        starts[m] = pos + static_cast<int64_t>(i);
+        table.prefetch_slot(keys[m]);
+        i = e;
+      }
+      for (int k = 0; k < m; ++k) table.prefetch_entry(keys[k]);
+      for (int k = 0; k < m; ++k) table.add(keys[k], starts[k]);
     }
   }
 
@@ -1042,32 +1080,57 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
 
 PretokenCounts PretokenCounter::finish() {
   Impl& impl = *impl_;
-  CountTable& merged = impl.tables[0];
+  // Merge every table into the largest one (fewest insertions).
+  size_t largest = 0;
   for (size_t w = 1; w < impl.tables.size(); ++w) {
+    if (impl.tables[w].size() > impl.tables[largest].size()) largest = w;
+  }
+  CountTable& merged = impl.tables[largest];
+  for (size_t w = 0; w < impl.tables.size(); ++w) {
+    if (w == largest) continue;
+    // Batched like counting: prefetch index slots, then entries, then add.
+    constexpr int kBatch = 16;
+    CountTable::Key keys[kBatch];
+    int64_t positions[kBatch], counts[kBatch];
+    uint8_t short_keys[kBatch][8];
+    int m = 0;
+    auto flush = [&] {
+      for (int k = 0; k < m; ++k) merged.prefetch_entry(keys[k]);
+      for (int k = 0; k < m; ++k) merged.add(keys[k], positions[k], counts[k]);
+      m = 0;
+    };
     impl.tables[w].for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t pos) {
-      merged.add(key, len, pos, count);
+      if (len <= 8) {  // for_each hands short keys in a temporary buffer
+        std::memcpy(short_keys[m], key, len);
+        key = short_keys[m];
+      }
+      keys[m] = CountTable::make_key(key, len);
+      positions[m] = pos;
+      counts[m] = count;
+      merged.prefetch_slot(keys[m]);
+      if (++m == kBatch) flush();
     });
+    flush();
     impl.tables[w].clear();
   }
-  struct Entry {
-    int64_t pos;
-    std::string key;
-    int64_t count;
-  };
-  std::vector<Entry> entries;
-  entries.reserve(merged.size());
-  merged.for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t pos) {
-    entries.push_back({pos, std::string(reinterpret_cast<const char*>(key), len), count});
+  // First-occurrence order: positions are unique, so the order does not depend on the threads.
+  std::vector<std::pair<int64_t, uint32_t>> order;
+  order.reserve(merged.size());
+  uint32_t idx = 0;
+  merged.for_each([&](const uint8_t*, uint32_t, int64_t, int64_t pos) { order.emplace_back(pos, idx++); });
+  std::sort(order.begin(), order.end());
+  PretokenCounts out;
+  out.pretokens.resize(order.size());
+  out.counts.resize(order.size());
+  std::vector<uint32_t> rank(order.size());
+  for (size_t k = 0; k < order.size(); ++k) rank[order[k].second] = static_cast<uint32_t>(k);
+  idx = 0;
+  merged.for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t) {
+    const uint32_t k = rank[idx++];
+    out.pretokens[k].assign(reinterpret_cast<const char*>(key), len);
+    out.counts[k] = count;
   });
   merged.clear();
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.pos < b.pos; });
-  PretokenCounts out;
-  out.pretokens.reserve(entries.size());
-  out.counts.reserve(entries.size());
-  for (auto& entry : entries) {
-    out.pretokens.push_back(std::move(entry.key));
-    out.counts.push_back(entry.count);
-  }
   impl.stream_pos = 0;
   return out;
 }

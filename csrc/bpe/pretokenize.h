@@ -53,7 +53,7 @@ class SpecialTokenMatcher {
   unsigned char only_first_byte_ = 0;
 };
 
-// Pre-tokens and special tokens of `text`, as byte ranges: kind 0 = pre-token, 1 = special token.
+// Pre-tokens and special tokens of `text`, in order, as byte ranges.
 struct Piece {
   size_t begin;
   size_t end;

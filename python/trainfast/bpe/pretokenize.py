@@ -287,7 +287,8 @@ def count_pretokens(
         callback = progress.update_to if show_progress else None
         for idx, doc in enumerate(inputs):
             if not isinstance(doc, (str, bytes)):
-                raise TypeError(f"inputs[{idx}] must be str or bytes (got {type(doc).__name__})")
+                hint = " (paths and documents cannot be mixed)" if isinstance(doc, os.PathLike) else ""
+                raise TypeError(f"inputs[{idx}] must be str or bytes (got {type(doc).__name__}){hint}")
             batch.append(doc)
             batch_bytes += len(doc)
             if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_DOCS:
