@@ -7,7 +7,9 @@ Adds to the ``bpe`` subcommand that ``trainfast.cli.bpe`` registers (modules reg
 from __future__ import annotations
 
 import argparse
+import io
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -50,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     encode.add_argument("input", help="UTF-8 text file")
     _add_tokenizer_args(encode)
     encode.add_argument("--out", required=True, help=".npy file for the ids")
+    encode.add_argument("--no-progress", action="store_true", help="no progress bar")
     encode.set_defaults(handler=_encode_command)
 
     export = commands.add_parser("export", help="write a HF tokenizers tokenizer.json")
@@ -111,16 +114,58 @@ def _load_tokenizer(args: argparse.Namespace):
                                 pattern=args.pattern)
 
 
+class _CountingReader(io.RawIOBase):
+    """A raw file that counts the bytes read through it (for progress over a text stream)."""
+
+    def __init__(self, raw: io.RawIOBase) -> None:
+        self.raw, self.bytes_read = raw, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        n = self.raw.readinto(buffer) or 0
+        self.bytes_read += n
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
 def _encode_command(args: argparse.Namespace) -> int:
     import numpy as np
 
     tokenizer = _load_tokenizer(args)
+    size = Path(args.input).stat().st_size
     start = time.perf_counter()
-    with open(args.input, encoding="utf-8") as f:
-        ids = np.fromiter(tokenizer.encode_iterable(f), dtype=np.uint32)
+    counting = _CountingReader(open(args.input, "rb", buffering=0))
+    bar = None
+    if not args.no_progress and sys.stderr is not None and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=size, unit="B", unit_scale=True, desc="bpe encode", leave=False)
+    last_log = time.monotonic()
+
+    def lines():
+        nonlocal last_log
+        with io.TextIOWrapper(io.BufferedReader(counting), encoding="utf-8") as text:
+            for line_no, line in enumerate(text):
+                if line_no % 4096 == 0:
+                    if bar is not None:
+                        bar.update(counting.bytes_read - bar.n)
+                    elif not args.no_progress and time.monotonic() - last_log >= 5.0:
+                        last_log = time.monotonic()
+                        _log.info("bpe encode: %.0f%% of %s", 100 * counting.bytes_read / max(size, 1), args.input)
+                yield line
+
+    try:
+        ids = np.fromiter(tokenizer.encode_iterable(lines()), dtype=np.uint32)
+    finally:
+        if bar is not None:
+            bar.close()
     seconds = time.perf_counter() - start
     np.save(args.out, ids)
-    size = Path(args.input).stat().st_size
     print(f"bpe encode: {len(ids):,} tokens from {size / 1e6:.1f} MB in {seconds:.2f} s "
           f"({size / 1e6 / max(seconds, 1e-9):.1f} MB/s) -> {args.out}")
     return 0
