@@ -421,3 +421,23 @@ def test_ctrl_c_stops_encoding(gpt2):
         with pytest.raises(KeyboardInterrupt):
             run()
         timer.join()
+
+
+@pytest.fixture(scope="module")
+def small_by_pattern(small):
+    from trainfast.bpe.pretokenize import PATTERNS
+
+    vocab, merges = small
+    specials = [EOT, EOT + EOT]
+    return {name: (Tokenizer(vocab, merges, specials, pattern=name),
+                   ReferenceTokenizer(vocab, merges, specials, pattern=PATTERNS[name]))
+            for name in ("gpt2", "cl100k", "o200k")}
+
+
+@given(pieces=st.lists(st.one_of(_texts, _any_text), max_size=12), pattern=st.sampled_from(["gpt2", "cl100k", "o200k"]))
+def test_stream_cuts_all_patterns_match_oracle(small_by_pattern, monkeypatch_module, pieces, pattern):
+    tok, ref = small_by_pattern[pattern]
+    text = "".join(pieces)
+    expected = ref.encode(text)
+    assert tok.encode(text) == expected
+    assert list(tok.encode_iterable(pieces)) == expected
