@@ -55,5 +55,6 @@ void register_pipeline(py::module_& m);
 void register_eplb(py::module_& m);
 void register_bpe_pretokenize(py::module_& m);
 void register_bpe_train(py::module_& m);
+void register_bpe_encode(py::module_& m);
 
 }  // namespace trainfast::bindings

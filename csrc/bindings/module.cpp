@@ -19,4 +19,5 @@ PYBIND11_MODULE(_core, m) {
   trainfast::bindings::register_eplb(m);
   trainfast::bindings::register_bpe_pretokenize(m);
   trainfast::bindings::register_bpe_train(m);
+  trainfast::bindings::register_bpe_encode(m);
 }

@@ -1,6 +1,6 @@
 # Type stub of the private native module trainfast._core (csrc/bindings/). tests/test_package.py
 # checks that every name the module exports is declared here.
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -104,6 +104,10 @@ def eplb_balanced_packing(
 def eplb_replicate_experts(
     weight: npt.NDArray[Any], num_phy: int, num_threads: int
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+# --- bpe training (csrc/bindings/bpe_train.cpp) ---
+def bpe_train_merges(
+    word_counts: dict[bytes, int], num_merges: int, progress: Any = None
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]: ...
 # --- bpe pre-tokenizer (csrc/bindings/bpe_pretokenize.cpp); pattern: 0 gpt2, 1 cl100k, 2 o200k ---
 def bpe_pretokenize(text: str, pattern: int, special_tokens: list[str]) -> list[str]: ...
 def bpe_pretokenize_ends(text: str, pattern: int) -> npt.NDArray[np.int64]: ...
@@ -127,3 +131,23 @@ class BpePretokenCounter:
 def bpe_train_merges(
     word_counts: dict[bytes, int], num_merges: int, progress: Any = None
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]: ...
+
+# --- bpe encoding (csrc/bindings/bpe_encode.cpp) ---
+class BpeEncoder:
+    def __init__(
+        self,
+        tokens: list[bytes],
+        ids: npt.NDArray[np.int64],
+        merge_left: npt.NDArray[np.int64],
+        merge_right: npt.NDArray[np.int64],
+        merge_result: npt.NDArray[np.int64],
+        special_tokens: list[bytes],
+        special_ids: npt.NDArray[np.int64],
+        pattern: int,
+    ) -> None: ...
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str], num_threads: int) -> list[list[int]]: ...
+    def encode_prefix(self, text: str) -> tuple[list[int], int]: ...
+    def encode_pieces(self, pieces: list[bytes]) -> list[int]: ...
+    def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
+    def decode(self, ids: Sequence[int]) -> str: ...

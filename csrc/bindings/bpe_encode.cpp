@@ -1,0 +1,196 @@
+// Bindings for BPE encoding/decoding: str in / list[int] out, batches encoded without the GIL.
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "bindings/common.h"
+#include "bpe/encode.h"
+
+namespace trainfast::bindings {
+namespace {
+
+std::string_view bytes_view(const py::handle& obj, const std::string& name) {
+  if (!PyBytes_Check(obj.ptr())) {
+    throw py::type_error(name + " must be bytes (got " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))) + ")");
+  }
+  return {PyBytes_AS_STRING(obj.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(obj.ptr()))};
+}
+
+// UTF-8 of a str (cached by Python in the object); a lone surrogate raises UnicodeEncodeError.
+std::string_view utf8_view(const py::handle& obj, const std::string& name) {
+  if (!PyUnicode_Check(obj.ptr())) {
+    throw py::type_error(name + " must be a str (got " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))) + ")");
+  }
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(obj.ptr(), &size);
+  if (data == nullptr) throw py::error_already_set();
+  return {data, static_cast<size_t>(size)};
+}
+
+// A list of the ids, sharing one int object per id (`id_objects`) instead of allocating one each.
+py::list to_list(const uint32_t* ids, size_t n, const std::vector<py::object>& id_objects) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
+  if (list == nullptr) throw py::error_already_set();
+  py::list out = py::reinterpret_steal<py::list>(list);
+  for (size_t k = 0; k < n; ++k) {
+    PyObject* value = ids[k] < id_objects.size() ? id_objects[ids[k]].ptr() : nullptr;
+    if (value != nullptr) {
+      Py_INCREF(value);
+    } else {
+      value = PyLong_FromUnsignedLong(ids[k]);
+      if (value == nullptr) throw py::error_already_set();
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), value);
+  }
+  return out;
+}
+
+std::vector<int64_t> read_ids(const py::handle& ids) {
+  PyObject* seq = PySequence_Fast(ids.ptr(), "ids must be a sequence of int");
+  if (seq == nullptr) throw py::error_already_set();
+  py::object owner = py::reinterpret_steal<py::object>(seq);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* item = items[k];
+    if (!PyLong_Check(item) || PyBool_Check(item)) {
+      throw py::type_error("ids[" + std::to_string(k) + "] must be an int (got " +
+                           std::string(py::str(py::type::handle_of(item).attr("__name__"))) + ")");
+    }
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow != 0) {
+      throw py::value_error("ids[" + std::to_string(k) + "] = " + std::string(py::str(item)) +
+                            " is not a token id of this vocabulary");
+    }
+    out[static_cast<size_t>(k)] = value;
+  }
+  return out;
+}
+
+class Encoder {
+ public:
+  Encoder(const py::list& tokens, const CArray<int64_t>& ids, const CArray<int64_t>& merge_left,
+          const CArray<int64_t>& merge_right, const CArray<int64_t>& merge_result, const py::list& special_tokens,
+          const CArray<int64_t>& special_ids, int pattern) {
+    std::vector<std::string_view> token_views, special_views;
+    token_views.reserve(tokens.size());
+    for (size_t k = 0; k < tokens.size(); ++k) token_views.push_back(bytes_view(tokens[k], "tokens[" + std::to_string(k) + "]"));
+    for (size_t k = 0; k < special_tokens.size(); ++k) {
+      special_views.push_back(bytes_view(special_tokens[k], "special_tokens[" + std::to_string(k) + "]"));
+    }
+    if (pattern < 0 || pattern > 2) {
+      throw py::value_error("pattern must be 0 (gpt2), 1 (cl100k) or 2 (o200k) (got " + std::to_string(pattern) + ")");
+    }
+    encoder_ = std::make_unique<bpe::BpeEncoder>(
+        token_views, span_1d(ids, "ids"), span_1d(merge_left, "merge_left"), span_1d(merge_right, "merge_right"),
+        span_1d(merge_result, "merge_result"), special_views, span_1d(special_ids, "special_ids"),
+        static_cast<bpe::Pattern>(pattern));
+    id_objects_.reserve(encoder_->vocab_id_limit());
+    for (size_t id = 0; id < encoder_->vocab_id_limit(); ++id) id_objects_.push_back(py::int_(id));
+  }
+
+  py::list encode(const py::handle& text) {
+    const std::string_view utf8 = utf8_view(text, "text");
+    std::vector<uint32_t> ids;
+    Interrupt interrupt = python_interrupt();
+    {
+      py::gil_scoped_release release;
+      encoder_->encode(utf8, ids, &interrupt);
+    }
+    return to_list(ids.data(), ids.size(), id_objects_);
+  }
+
+  py::list encode_batch(const py::list& texts, int num_threads) {
+    std::vector<std::string_view> views;
+    views.reserve(texts.size());
+    for (size_t k = 0; k < texts.size(); ++k) views.push_back(utf8_view(texts[k], "texts[" + std::to_string(k) + "]"));
+    std::vector<std::vector<uint32_t>> results;
+    Interrupt interrupt = python_interrupt();
+    {
+      py::gil_scoped_release release;
+      results = encoder_->encode_batch(views, num_threads, &interrupt);
+    }
+    py::list out(results.size());
+    for (size_t k = 0; k < results.size(); ++k) {
+      out[k] = to_list(results[k].data(), results[k].size(), id_objects_);
+      std::vector<uint32_t>().swap(results[k]);
+    }
+    return out;
+  }
+
+  // Ids of the longest prefix of text that is safe to encode on its own, and its length in
+  // characters (0 when no safe cut is known yet).
+  py::tuple encode_prefix(const py::handle& text) {
+    const std::string_view utf8 = utf8_view(text, "text");
+    const size_t cut = encoder_->safe_cut(utf8);
+    std::vector<uint32_t> ids;
+    {
+      py::gil_scoped_release release;
+      encoder_->encode(utf8.substr(0, cut), ids);
+    }
+    size_t num_chars = cut;
+    if (!PyUnicode_IS_ASCII(text.ptr())) {
+      num_chars = 0;
+      for (size_t b = 0; b < cut; ++b) num_chars += (static_cast<uint8_t>(utf8[b]) & 0xC0) != 0x80;
+    }
+    return py::make_tuple(to_list(ids.data(), ids.size(), id_objects_), num_chars);
+  }
+
+  // Ids of pre-tokens cut by the caller (custom patterns); each piece is merged on its own.
+  py::list encode_pieces(const py::list& pieces) {
+    std::vector<std::string_view> views;
+    views.reserve(pieces.size());
+    for (size_t k = 0; k < pieces.size(); ++k) views.push_back(bytes_view(pieces[k], "pieces[" + std::to_string(k) + "]"));
+    std::vector<uint32_t> ids;
+    {
+      py::gil_scoped_release release;
+      for (const auto& piece : views) encoder_->encode_piece(piece, ids);
+    }
+    return to_list(ids.data(), ids.size(), id_objects_);
+  }
+
+  py::bytes decode_bytes(const py::handle& ids) {
+    const std::vector<int64_t> values = read_ids(ids);
+    const std::string out = encoder_->decode(values);
+    return py::bytes(out.data(), out.size());
+  }
+
+  py::str decode(const py::handle& ids) {
+    const std::vector<int64_t> values = read_ids(ids);
+    const std::string out = encoder_->decode(values);
+    PyObject* text = PyUnicode_DecodeUTF8(out.data(), static_cast<Py_ssize_t>(out.size()), "replace");
+    if (text == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::str>(text);
+  }
+
+ private:
+  std::unique_ptr<bpe::BpeEncoder> encoder_;
+  std::vector<py::object> id_objects_;  // int objects of ids 0 .. vocab_id_limit - 1
+};
+
+}  // namespace
+
+void register_bpe_encode(py::module_& m) {
+  py::class_<Encoder>(m, "BpeEncoder", "BPE encoder/decoder over a fixed vocabulary and merge list.")
+      .def(py::init<const py::list&, const CArray<int64_t>&, const CArray<int64_t>&, const CArray<int64_t>&,
+                    const CArray<int64_t>&, const py::list&, const CArray<int64_t>&, int>(),
+           py::arg("tokens"), py::arg("ids").noconvert(), py::arg("merge_left").noconvert(),
+           py::arg("merge_right").noconvert(), py::arg("merge_result").noconvert(), py::arg("special_tokens"),
+           py::arg("special_ids").noconvert(), py::arg("pattern"))
+      .def("encode", &Encoder::encode, py::arg("text"), "Token ids of text (list[int]).")
+      .def("encode_batch", &Encoder::encode_batch, py::arg("texts"), py::arg("num_threads"),
+           "Token ids of each text, on up to num_threads threads.")
+      .def("encode_prefix", &Encoder::encode_prefix, py::arg("text"),
+           "(ids, num_chars): ids of the longest safely encodable prefix of text and its length.")
+      .def("encode_pieces", &Encoder::encode_pieces, py::arg("pieces"),
+           "Ids of pre-tokens given as bytes, each merged on its own.")
+      .def("decode_bytes", &Encoder::decode_bytes, py::arg("ids"), "Concatenated token bytes of ids.")
+      .def("decode", &Encoder::decode, py::arg("ids"), "Text of ids; invalid UTF-8 becomes U+FFFD.");
+}
+
+}  // namespace trainfast::bindings

@@ -1,0 +1,211 @@
+"""``trainfast bpe count|encode|export`` and ``trainfast bpe train --from-counts``: count pre-tokens
+once (and add shards up), train from counts, encode files, export to HF tokenizers.
+
+Adds to the ``bpe`` subcommand that ``trainfast.cli.bpe`` registers (modules register in name order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import sys
+import time
+from pathlib import Path
+
+_log = logging.getLogger("trainfast.bpe")
+
+
+def _bpe_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    parser = subparsers.choices["bpe"]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    raise RuntimeError("the 'bpe' subcommand has no subcommands")  # pragma: no cover
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    commands = _bpe_commands(subparsers)
+
+    count = commands.add_parser("count", help="count pre-tokens of text files into a counts file (addable)")
+    count.add_argument("corpus", nargs="+", help="UTF-8 text files")
+    count.add_argument("--out", required=True, help="counts file to write (e.g. counts.tfwc)")
+    count.add_argument("--special-token", action="append", default=[], dest="special_tokens",
+                       help="special token (repeatable), split out and not counted")
+    count.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, o200k or a regex")
+    count.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
+    count.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
+                       help="invalid UTF-8: fail (default), replace or ignore")
+    count.add_argument("--no-progress", action="store_true", help="no progress bars")
+    count.set_defaults(handler=_count_command)
+
+    train = commands.choices["train"]
+    train.add_argument("--from-counts", nargs="+", default=None, metavar="COUNTS",
+                       help="train from counts files written by `trainfast bpe count` (added up) instead of text")
+    for action in train._actions:
+        if action.dest == "corpus":
+            action.nargs = "*"  # optional when --from-counts is given
+    corpus_handler = train.get_default("handler")
+    train.set_defaults(handler=lambda args: _train_command(args, corpus_handler))
+
+    encode = commands.add_parser("encode", help="encode a text file to token ids (.npy, uint32)")
+    encode.add_argument("input", help="UTF-8 text file")
+    _add_tokenizer_args(encode)
+    encode.add_argument("--out", required=True, help=".npy file for the ids")
+    encode.add_argument("--no-progress", action="store_true", help="no progress bar")
+    encode.set_defaults(handler=_encode_command)
+
+    export = commands.add_parser("export", help="write a HF tokenizers tokenizer.json")
+    _add_tokenizer_args(export)
+    export.add_argument("--hf", required=True, help="tokenizer.json path to write")
+    export.set_defaults(handler=_export_command)
+
+
+def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", required=True, help="directory with vocab.json and merges.txt")
+    parser.add_argument("--special-token", action="append", default=[], dest="special_tokens",
+                        help="special token (repeatable)")
+    parser.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, o200k or a regex")
+
+
+def _count_command(args: argparse.Namespace) -> int:
+    from trainfast.bpe.counts import count_words
+
+    start = time.perf_counter()
+    counts = count_words([Path(p) for p in args.corpus], args.special_tokens, args.pattern, args.threads,
+                         errors=args.errors, show_progress=not args.no_progress)
+    path = counts.save(args.out)
+    print(f"bpe count: {len(counts):,} distinct pre-tokens, {counts.total:,} in all, from {len(args.corpus)} "
+          f"file(s) in {time.perf_counter() - start:.2f} s -> {path}")
+    return 0
+
+
+def _train_command(args: argparse.Namespace, corpus_handler) -> int:
+    if args.from_counts is None:
+        if not args.corpus:
+            raise ValueError("give text files to train on, or --from-counts COUNTS...")
+        # count_pretokens reads a list of str as documents; Path objects make them files.
+        args.corpus = [Path(p) for p in args.corpus]
+        return corpus_handler(args)
+    if args.corpus:
+        raise ValueError("give either text files or --from-counts, not both")
+    from trainfast.bpe import save
+    from trainfast.bpe.counts import WordCounts, train_from_counts
+
+    start = time.perf_counter()
+    counts = WordCounts.load(args.from_counts[0])
+    for path in args.from_counts[1:]:
+        counts += WordCounts.load(path)
+    if args.pattern != "gpt2" and args.pattern != counts.pattern:
+        raise ValueError(f"--pattern {args.pattern!r} differs from the counts' pattern {counts.pattern!r}")
+    special_tokens = args.special_tokens or None
+    vocab, merges = train_from_counts(counts, args.vocab_size, special_tokens, show_progress=not args.no_progress)
+    save(vocab, merges, args.out)
+    print(f"bpe: {len(merges):,} merges, vocab {len(vocab):,} from {len(counts):,} counted pre-tokens in "
+          f"{time.perf_counter() - start:.2f} s -> {args.out}/vocab.json, merges.txt")
+    return 0
+
+
+def _load_tokenizer(args: argparse.Namespace):
+    from trainfast.bpe import Tokenizer
+
+    directory = Path(args.tokenizer)
+    return Tokenizer.from_files(directory / "vocab.json", directory / "merges.txt", args.special_tokens,
+                                pattern=args.pattern)
+
+
+class _CountingReader(io.RawIOBase):
+    """A raw file that counts the bytes read through it (for progress over a text stream)."""
+
+    def __init__(self, raw: io.RawIOBase) -> None:
+        self.raw, self.bytes_read = raw, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        n = self.raw.readinto(buffer) or 0
+        self.bytes_read += n
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def _encode_command(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    tokenizer = _load_tokenizer(args)
+    size = Path(args.input).stat().st_size
+    start = time.perf_counter()
+    counting = _CountingReader(open(args.input, "rb", buffering=0))
+    bar = None
+    if not args.no_progress and sys.stderr is not None and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=size, unit="B", unit_scale=True, desc="bpe encode", leave=False)
+    last_log = time.monotonic()
+
+    def lines():
+        nonlocal last_log
+        with io.TextIOWrapper(io.BufferedReader(counting), encoding="utf-8") as text:
+            for line_no, line in enumerate(text):
+                if line_no % 4096 == 0:
+                    if bar is not None:
+                        bar.update(counting.bytes_read - bar.n)
+                    elif not args.no_progress and time.monotonic() - last_log >= 5.0:
+                        last_log = time.monotonic()
+                        _log.info("bpe encode: %.0f%% of %s", 100 * counting.bytes_read / max(size, 1), args.input)
+                yield line
+
+    try:
+        ids = np.fromiter(tokenizer.encode_iterable(lines()), dtype=np.uint32)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+    np.save(args.out, ids)
+    print(f"bpe encode: {len(ids):,} tokens from {size / 1e6:.1f} MB in {seconds:.2f} s "
+          f"({size / 1e6 / max(seconds, 1e-9):.1f} MB/s) -> {args.out}")
+    return 0
+
+
+def _export_command(args: argparse.Namespace) -> int:
+    from trainfast.bpe.export import to_hf_tokenizer_json
+
+    tokenizer = _load_tokenizer(args)
+    path = to_hf_tokenizer_json(tokenizer.vocab, tokenizer.merges, tokenizer.special_tokens, args.hf,
+                                pattern=args.pattern)
+    print(f"bpe export: {len(tokenizer):,} tokens -> {path}")
+    return 0
+
+
+def demo() -> None:
+    import lzma
+
+    from trainfast.bpe import Tokenizer, train_bpe
+    from trainfast.cli.bpe import _DEMO_CORPUS
+
+    special = "<|endoftext|>"
+    text = lzma.decompress(_DEMO_CORPUS.read_bytes()).decode("utf-8")
+    vocab, merges = train_bpe(iter([text]), 1000, [special], show_progress=False)
+    tokenizer = Tokenizer(vocab, merges, [special])
+    sample = text * 20
+    start = time.perf_counter()
+    ids = tokenizer.encode(sample)
+    ours = time.perf_counter() - start
+    line = "bpe encode: 1000-token vocab trained on corpus.en; encoding it 20x "
+    line += f"({len(sample.encode()) / 1e6:.1f} MB): {ours * 1e3:.0f} ms"
+    try:
+        from trainfast.bpe.export import to_tiktoken
+
+        _, encoding = to_tiktoken(vocab, merges, [special])
+        start = time.perf_counter()
+        expected = encoding.encode(sample, allowed_special="all")
+        theirs = time.perf_counter() - start
+        line += f" vs tiktoken {theirs * 1e3:.0f} ms = {theirs / ours:.1f}x, identical={ids == expected}"
+    except ImportError:
+        line += " (tiktoken not installed for comparison)"
+    print(line)
+    print(f"  round trip decode(encode(text)) == text: {tokenizer.decode(ids) == sample}")

@@ -1,0 +1,151 @@
+"""Exports load in the real libraries and encode exactly as trainfast.bpe.Tokenizer does."""
+
+from __future__ import annotations
+
+import json
+import lzma
+from pathlib import Path
+
+import pytest
+import tiktoken
+import tokenizers
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.bpe_tokenizer import gpt2_ranks_from_fixtures
+from trainfast.bpe import Tokenizer, train_bpe
+from trainfast.bpe.export import to_hf_tokenizer_json, to_tiktoken
+
+EOT = "<|endoftext|>"
+
+
+def _fixture(shared_dir: Path, name: str) -> Path:
+    return shared_dir / "fixtures" / "cs336" / name
+
+
+def _corpus(shared_dir: Path, name: str, num_chars: int) -> str:
+    with lzma.open(shared_dir / "corpora" / f"{name}.txt.xz", "rt", encoding="utf-8") as f:
+        return f.read(num_chars)
+
+
+@pytest.fixture(scope="module")
+def gpt2(shared_dir) -> Tokenizer:
+    return Tokenizer.from_files(_fixture(shared_dir, "gpt2_vocab.json"), _fixture(shared_dir, "gpt2_merges.txt"),
+                                [EOT])
+
+
+@pytest.fixture(scope="module")
+def gpt2_hf(gpt2, tmp_path_factory) -> tokenizers.Tokenizer:
+    path = to_hf_tokenizer_json(gpt2.vocab, gpt2.merges, [EOT], tmp_path_factory.mktemp("hf") / "tokenizer.json")
+    return tokenizers.Tokenizer.from_file(str(path))
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiktoken(gpt2):
+    return to_tiktoken(gpt2.vocab, gpt2.merges, [EOT], "gpt2")
+
+
+def _hf_ids(hf: tokenizers.Tokenizer, text: str) -> list[int]:
+    return hf.encode(text, add_special_tokens=False).ids
+
+
+def test_gpt2_tiktoken_ranks_are_gpt2s(shared_dir, gpt2_tiktoken):
+    ranks, encoding = gpt2_tiktoken
+    assert ranks == gpt2_ranks_from_fixtures(_fixture(shared_dir, "gpt2_vocab.json"))
+    assert encoding.n_vocab == 50257 and encoding.eot_token == 50256
+
+
+@pytest.mark.parametrize("name", ["address.txt", "german.txt", "tinystories_sample.txt", "corpus.en",
+                                  "special_token_double_newlines_non_whitespace.txt"])
+def test_gpt2_exports_encode_fixtures_identically(shared_dir, gpt2, gpt2_hf, gpt2_tiktoken, name):
+    text = _fixture(shared_dir, name).read_text(encoding="utf-8")
+    ids = gpt2.encode(text)
+    assert _hf_ids(gpt2_hf, text) == ids
+    assert gpt2_tiktoken[1].encode(text, allowed_special="all") == ids
+    assert gpt2_hf.decode(ids, skip_special_tokens=False) == text == gpt2_tiktoken[1].decode(ids)
+
+
+@pytest.mark.parametrize("name", ["austen", "kjv", "multilingual", "gcide"])
+def test_gpt2_exports_encode_corpora_identically(shared_dir, gpt2, gpt2_hf, gpt2_tiktoken, name):
+    text = _corpus(shared_dir, name, 1_000_000)
+    ids = gpt2.encode(text)
+    assert _hf_ids(gpt2_hf, text) == ids
+    assert gpt2_tiktoken[1].encode(text, allowed_special="all") == ids
+
+
+_texts = st.lists(st.sampled_from(list("aZ9 '\n\t.,!") + ["  ", "\n\n", "'s", "é", "中", "😀", "\u00a0", EOT]),
+                  max_size=40).map("".join)
+
+
+@given(text=st.one_of(_texts, st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=60)))
+def test_gpt2_exports_hypothesis(gpt2, gpt2_hf, gpt2_tiktoken, text):
+    ids = gpt2.encode(text)
+    assert _hf_ids(gpt2_hf, text) == ids
+    assert gpt2_tiktoken[1].encode(text, allowed_special="all") == ids
+
+
+@pytest.mark.parametrize("pattern", ["gpt2", "cl100k", "o200k"])
+def test_trained_vocab_exports(shared_dir, tmp_path, pattern):
+    train_text = _corpus(shared_dir, "austen", 300_000) + EOT + _corpus(shared_dir, "multilingual", 200_000)
+    specials = [EOT, EOT + EOT, "<|pad|>"]
+    vocab, merges = train_bpe(iter([train_text]), 1500, specials, pattern=pattern, show_progress=False)
+    tok = Tokenizer(vocab, merges, specials, pattern=pattern)
+    hf = tokenizers.Tokenizer.from_file(str(to_hf_tokenizer_json(vocab, merges, specials, tmp_path / "t.json",
+                                                                 pattern=pattern)))
+    ranks, encoding = to_tiktoken(vocab, merges, specials, pattern)
+    assert ranks == {token: idx for idx, token in vocab.items() if token.decode("utf-8", "replace") not in specials}
+    text = _corpus(shared_dir, "multilingual", 400_000) + f"a{EOT}{EOT}{EOT} <|pad|>\n 1234567 x"
+    ids = tok.encode(text)
+    assert _hf_ids(hf, text) == ids
+    assert encoding.encode(text, allowed_special="all") == ids
+    assert hf.decode(ids, skip_special_tokens=False) == text == encoding.decode(ids)
+
+
+def test_hf_json_layout(gpt2, tmp_path):
+    path = to_hf_tokenizer_json(gpt2.vocab, gpt2.merges, [EOT], tmp_path / "sub" / "tokenizer.json")
+    document = json.loads(path.read_text(encoding="utf-8"))
+    assert document["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                         "use_regex": True}
+    assert document["model"]["type"] == "BPE" and len(document["model"]["merges"]) == 50000
+    assert document["added_tokens"][0]["content"] == EOT and document["added_tokens"][0]["id"] == 50256
+    assert document["model"]["vocab"]["Ġthe"] == 262
+    assert not list(path.parent.glob(".*tmp"))
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def _byte_vocab() -> dict[int, bytes]:
+    return {i: bytes([i]) for i in range(256)}
+
+
+def test_special_tokens_must_be_in_vocab(tmp_path):
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] = '<\|x\|>' is not in vocab"):
+        to_hf_tokenizer_json(_byte_vocab(), [], ["<|x|>"], tmp_path / "t.json")
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] = '<\|x\|>' is not in vocab"):
+        to_tiktoken(_byte_vocab(), [], ["<|x|>"])
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_bad_merges_and_paths(tmp_path):
+    with pytest.raises(ValueError, match=r"merges\[0\].*unknown token"):
+        to_hf_tokenizer_json(_byte_vocab(), [(b"a", b"b")], [], tmp_path / "t.json")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        to_hf_tokenizer_json(_byte_vocab(), [], [], tmp_path)
+    with pytest.raises(ValueError, match="possessive counted repeat"):
+        to_hf_tokenizer_json(_byte_vocab(), [], [], tmp_path / "t.json", pattern=r"\p{N}{1,2}+|\s+|\S")
+    with pytest.raises(ValueError, match="unknown pattern name"):
+        to_hf_tokenizer_json(_byte_vocab(), [], [], tmp_path / "t.json", pattern="gpt4")
+
+
+def test_tiktoken_needs_rank_order():
+    vocab = {**_byte_vocab(), 256: b"ab", 257: b"cd"}
+    with pytest.raises(ValueError, match=r"merges\[1\] makes id 256, not above the previous merge's id 257"):
+        to_tiktoken(vocab, [(b"c", b"d"), (b"a", b"b")])
+    with pytest.raises(ValueError, match=r"makes b'ab' again"):
+        to_tiktoken({**vocab, 258: b"aab"}, [(b"a", b"b"), (b"a", b"b")])
+    with pytest.raises(ValueError, match=r"vocab\[257\] = b'cd' is neither a byte, a merge result"):
+        to_tiktoken(vocab, [(b"a", b"b")])
+    ranks, encoding = to_tiktoken(vocab, [(b"a", b"b"), (b"c", b"d")])
+    assert encoding.encode("abcd") == Tokenizer(vocab, [(b"a", b"b"), (b"c", b"d")]).encode("abcd") == [256, 257]
+    assert isinstance(encoding, tiktoken.Encoding)

@@ -1,0 +1,443 @@
+"""trainfast.bpe.Tokenizer == tiktoken's gpt2 encoding (built from the CS336 fixtures) and the
+pure-Python oracle (tests/reference/bpe_tokenizer.py); CS336 Tokenizer semantics; bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import lzma
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.bpe_tokenizer import ReferenceTokenizer, tiktoken_gpt2
+from trainfast.bpe import Tokenizer, train_bpe
+from trainfast.bpe import tokenizer as tokenizer_module
+
+EOT = "<|endoftext|>"
+FIXTURES = ("address.txt", "german.txt", "tinystories_sample.txt", "special_token_double_newlines_non_whitespace.txt",
+            "special_token_trailing_newlines.txt", "corpus.en")
+
+
+def _fixture(shared_dir: Path, name: str) -> Path:
+    return shared_dir / "fixtures" / "cs336" / name
+
+
+@pytest.fixture(scope="module")
+def gpt2(shared_dir) -> Tokenizer:
+    return Tokenizer.from_files(_fixture(shared_dir, "gpt2_vocab.json"), _fixture(shared_dir, "gpt2_merges.txt"),
+                                special_tokens=[EOT])
+
+
+@pytest.fixture(scope="module")
+def gpt2_plain(shared_dir) -> Tokenizer:
+    return Tokenizer.from_files(_fixture(shared_dir, "gpt2_vocab.json"), _fixture(shared_dir, "gpt2_merges.txt"))
+
+
+@pytest.fixture(scope="module")
+def tiktoken_enc(shared_dir):
+    return tiktoken_gpt2(_fixture(shared_dir, "gpt2_vocab.json"))
+
+
+@pytest.fixture(scope="module")
+def small(shared_dir) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """A 600-token vocab trained on the CS336 corpus.en fixture."""
+    return train_bpe(_fixture(shared_dir, "corpus.en"), 600, [EOT], show_progress=False)
+
+
+def _corpus(shared_dir: Path, name: str, num_chars: int | None = None) -> str:
+    with lzma.open(shared_dir / "corpora" / f"{name}.txt.xz", "rt", encoding="utf-8") as f:
+        return f.read(num_chars) if num_chars is not None else f.read()
+
+
+# --- equality with tiktoken's gpt2 encoding -----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixtures_match_tiktoken(shared_dir, gpt2, gpt2_plain, tiktoken_enc, name):
+    text = _fixture(shared_dir, name).read_text(encoding="utf-8")
+    ids = gpt2.encode(text)
+    assert ids == tiktoken_enc.encode(text, allowed_special={EOT})
+    assert gpt2.decode(ids) == text
+    assert gpt2_plain.encode(text) == tiktoken_enc.encode_ordinary(text)
+
+
+@pytest.mark.parametrize("name,num_chars", [("austen", None), ("kjv", None), ("multilingual", 6_000_000),
+                                            ("gcide", 6_000_000)])
+def test_corpora_match_tiktoken(shared_dir, gpt2, tiktoken_enc, name, num_chars):
+    text = _corpus(shared_dir, name, num_chars)
+    ids = gpt2.encode(text)
+    assert ids == tiktoken_enc.encode(text, allowed_special={EOT})
+    assert gpt2.decode(ids) == text
+    lines = text.splitlines(keepends=True)[:20000]
+    assert gpt2.encode_batch(lines, num_threads=2) == tiktoken_enc.encode_batch(lines, allowed_special={EOT})
+
+
+_TEXT_ALPHABET = st.sampled_from(
+    list("aAzZ09 '\n\t\r.,!?-sdmtlvre") + ["  ", "\n\n", " \n", "'s", "'ll", "é", "ß", "中", "文", "😀", "\u00a0",
+                                           "\u2003", "\u3000", "。", "١", "Ⅻ", "\u0301", "\x00", "x\n", "中\n", "<|endoftext|>", "<|endof", "ext|>"]
+)
+_texts = st.lists(_TEXT_ALPHABET, max_size=60).map("".join)
+_any_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80)
+
+
+@given(text=st.one_of(_texts, _any_text))
+def test_hypothesis_matches_tiktoken(gpt2, gpt2_plain, tiktoken_enc, text):
+    ids = gpt2.encode(text)
+    assert ids == tiktoken_enc.encode(text, allowed_special={EOT})
+    assert gpt2.decode(ids) == text
+    assert gpt2_plain.encode(text) == tiktoken_enc.encode_ordinary(text)
+
+
+@pytest.mark.parametrize("text", ["a" * 300, "ab" * 5000, " " * 1000 + "x", "\n" * 777, "9" * 4000,
+                                  "supercalifragilistic" * 40, "😀" * 200])
+def test_long_pretokens_match_tiktoken(gpt2, tiktoken_enc, text):
+    assert gpt2.encode(text) == tiktoken_enc.encode(text)
+
+
+def test_pickle_round_trip(small):
+    import pickle
+
+    vocab, merges = small
+    tok = Tokenizer(vocab, merges, [EOT, "<|pad|>"], pattern="cl100k")
+    again = pickle.loads(pickle.dumps(tok))
+    text = f"some text<|pad|> 123456{EOT}"
+    assert again.encode(text) == tok.encode(text) and again.vocab == tok.vocab and again.pattern == "cl100k"
+
+
+def test_encode_iterable_surrogate_pair_across_chunks(gpt2, tiktoken_enc, monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "_STREAM_CHARS", 4)
+    chunks = ["ab cd x\ud83d", "\ude00 yz ab", "\ud800", " ok"]
+    assert list(gpt2.encode_iterable(chunks)) == gpt2.encode("".join(chunks)) == tiktoken_enc.encode("".join(chunks))
+
+
+def test_lone_surrogates_replaced_like_tiktoken(gpt2, tiktoken_enc):
+    for text in ["a\ud800b", "\udfff", "x\ud83d\ude00y", "ok"]:
+        assert gpt2.encode(text) == tiktoken_enc.encode(text)
+    assert gpt2.encode_batch(["a\ud800b", "ok"], num_threads=2) == [tiktoken_enc.encode("a\ud800b"),
+                                                                    tiktoken_enc.encode("ok")]
+
+
+@pytest.mark.parametrize("pattern", ["cl100k", "o200k"])
+def test_other_patterns_match_tiktoken(shared_dir, pattern, tiktoken_enc):
+    from trainfast.bpe.pretokenize import PATTERNS
+    from reference.bpe_tokenizer import tiktoken_gpt2 as build
+
+    enc = build(_fixture(shared_dir, "gpt2_vocab.json"), pattern=PATTERNS[pattern])
+    tok = Tokenizer.from_files(_fixture(shared_dir, "gpt2_vocab.json"), _fixture(shared_dir, "gpt2_merges.txt"),
+                               [EOT], pattern=pattern)
+    text = _corpus(shared_dir, "multilingual", 3_000_000)
+    assert tok.encode(text) == enc.encode(text, allowed_special={EOT})
+
+
+# --- the oracle on a small trained vocabulary ---------------------------------------------------
+
+
+@given(text=st.one_of(_texts, _any_text), specials=st.sampled_from([[], [EOT], [EOT, EOT + EOT], ["ab", "a", "\n\n"]]))
+def test_matches_oracle_small_vocab(small, text, specials):
+    vocab, merges = small
+    tok = Tokenizer(vocab, merges, specials)
+    ref = ReferenceTokenizer(vocab, merges, specials)
+    ids = tok.encode(text)
+    assert ids == ref.encode(text)
+    assert tok.decode(ids) == text
+
+
+def test_oracle_on_odd_merge_lists():
+    # Non-standard merge lists: repeated pairs keep their first rank; late merges of early tokens.
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab.update({256: b"aa", 257: b"ab", 258: b"aab", 259: b"aaa", 260: b"ba", 261: b"aaaa"})
+    merges = [(b"a", b"b"), (b"a", b"a"), (b"a", b"ab"), (b"a", b"a"), (b"aa", b"a"), (b"b", b"a"),
+              (b"aa", b"aa")]
+    tok, ref = Tokenizer(vocab, merges), ReferenceTokenizer(vocab, merges)
+    for text in ["aaab", "abababa", "aaaa", "baaaab", "a" * 301, "ab" * 200 + "a" * 199, "ba" * 150]:
+        assert tok.encode(text) == ref.encode(text), text
+
+
+# --- CS336 semantics -----------------------------------------------------------------------------
+
+
+def test_overlapping_special_tokens_keep_the_longest(gpt2_plain, shared_dir):
+    tok = Tokenizer.from_files(_fixture(shared_dir, "gpt2_vocab.json"), _fixture(shared_dir, "gpt2_merges.txt"),
+                               special_tokens=[EOT, EOT + EOT])
+    text = f"Hello, how {EOT}{EOT} are you?{EOT}"
+    ids = tok.encode(text)
+    tokens = [tok.decode([i]) for i in ids]
+    assert tokens.count(EOT + EOT) == 1 and tokens.count(EOT) == 1
+    assert tok.decode(ids) == text
+    assert tok.vocab[ids[tokens.index(EOT + EOT)]] == (EOT + EOT).encode()
+    assert len(tok) == 50258  # the double token is appended after GPT-2's 50257
+
+
+def test_special_tokens_not_given_are_plain_text(gpt2_plain, tiktoken_enc):
+    text = f"a{EOT}b"
+    assert gpt2_plain.encode(text) == tiktoken_enc.encode_ordinary(text)
+    assert 50256 not in gpt2_plain.encode(text)
+
+
+def test_worked_example(gpt2):
+    assert gpt2.encode("Hello world<|endoftext|>") == [15496, 995, 50256]
+    assert gpt2.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
+    assert gpt2.encode("") == [] and gpt2.decode([]) == ""
+
+
+def test_decode_invalid_utf8_gives_replacement_character(gpt2):
+    lone_continuation = gpt2.token_to_id(b"\x80")
+    first_half = gpt2.token_to_id(b"\xe4")
+    assert gpt2.decode([lone_continuation]) == "\ufffd"
+    assert gpt2.decode([15496, first_half, 995]) == "Hello\ufffd world"
+    assert gpt2.decode_bytes([first_half]) == b"\xe4"
+    ids = gpt2.encode("\U0001f9ec")  # split over several byte tokens
+    assert len(ids) > 1 and gpt2.decode(ids[:1]) == "\ufffd"
+
+
+def test_decode_accepts_arrays(gpt2):
+    ids = gpt2.encode("The quick brown fox")
+    assert gpt2.decode(np.array(ids)) == gpt2.decode(torch.tensor(ids)) == gpt2.decode(tuple(ids)) == \
+        gpt2.decode(iter(ids)) == "The quick brown fox"
+
+
+@pytest.mark.parametrize("chunker", ["lines", "chars", "random"])
+def test_encode_iterable_equals_encode(shared_dir, gpt2, monkeypatch, chunker):
+    monkeypatch.setattr(tokenizer_module, "_STREAM_CHARS", 64)  # force many cuts
+    text = _fixture(shared_dir, "tinystories_sample.txt").read_text(encoding="utf-8") + \
+        _corpus(shared_dir, "multilingual", 20_000) + f"x {EOT}{EOT}\n\n a  \n\n"
+    if chunker == "lines":
+        chunks = text.splitlines(keepends=True)
+    elif chunker == "chars":
+        chunks = list(text)
+    else:
+        rng = np.random.default_rng(0)
+        cuts = sorted(rng.integers(0, len(text), 400).tolist())
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    assert list(gpt2.encode_iterable(chunks)) == gpt2.encode(text)
+
+
+@given(pieces=st.lists(st.one_of(_texts, _any_text), max_size=20))
+def test_encode_iterable_hypothesis(gpt2, monkeypatch_module, pieces):
+    assert list(gpt2.encode_iterable(pieces)) == gpt2.encode("".join(pieces))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tokenizer_module, "_STREAM_CHARS", 8)
+        yield mp
+
+
+def test_encode_iterable_over_file_handle_is_lazy(shared_dir, gpt2, tmp_path):
+    with open(_fixture(shared_dir, "tinystories_sample.txt"), encoding="utf-8") as f:
+        ids = list(gpt2.encode_iterable(f))
+    assert ids == gpt2.encode(_fixture(shared_dir, "tinystories_sample.txt").read_text(encoding="utf-8"))
+
+    def endless():
+        while True:
+            yield "Once upon a time there was a tiny tokenizer.\n"
+
+    first = list(itertools.islice(gpt2.encode_iterable(endless()), 100_000))
+    assert len(first) == 100_000 and gpt2.decode(first[:10]).startswith("Once upon a time")
+
+
+@pytest.mark.parametrize("line", ["中文的句子。\n", "Ñandú corre\n", "日本語\u3000テキスト\n", "a\n"])
+def test_encode_iterable_streams_without_ascii(gpt2, line):
+    consumed = 0
+
+    def lines():
+        nonlocal consumed
+        for _ in range(100_000):
+            consumed += 1
+            yield line
+
+    stream = gpt2.encode_iterable(lines())
+    first = next(stream)
+    assert consumed < 50_000  # yielded long before the input ran out: the buffer stays bounded
+    assert [first, *stream] == gpt2.encode(line * 100_000)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+def test_encode_batch_equals_encode(shared_dir, gpt2, num_threads):
+    text = _corpus(shared_dir, "kjv", 300_000)
+    texts = text.split("\n\n") + ["", EOT, "x"]
+    assert gpt2.encode_batch(texts, num_threads=num_threads) == [gpt2.encode(t) for t in texts]
+    assert gpt2.encode_batch([]) == []
+
+
+def test_custom_regex_pattern_matches_oracle(small):
+    vocab, merges = small
+    pattern = r"\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+"
+    tok = Tokenizer(vocab, merges, [EOT], pattern=pattern)
+    ref = ReferenceTokenizer(vocab, merges, [EOT], pattern=pattern)
+    text = f"the cat sat 123 on{EOT}the  mat!!"
+    assert tok.encode(text) == ref.encode(text)
+    assert list(tok.encode_iterable([text[:7], text[7:]])) == ref.encode(text)
+    assert tok.encode_batch([text, text]) == [ref.encode(text)] * 2
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_decode_unknown_ids(gpt2):
+    with pytest.raises(ValueError, match=r"ids\[1\] = 60000 is not a token id"):
+        gpt2.decode([1, 60000])
+    with pytest.raises(ValueError, match=r"ids\[0\] = -1"):
+        gpt2.decode([-1])
+    with pytest.raises(ValueError, match=r"ids\[0\] = 1267650600228229401496703205376"):
+        gpt2.decode([2**100])
+    with pytest.raises(TypeError, match=r"ids\[2\] must be an int"):
+        gpt2.decode([1, 2, "3"])
+    with pytest.raises(TypeError, match="ids must be a sequence"):
+        gpt2.decode("abc")
+    with pytest.raises(ValueError, match="1-D"):
+        gpt2.decode(np.zeros((2, 2), dtype=np.int64))
+
+
+def test_bad_text_types(gpt2):
+    with pytest.raises(TypeError, match="text must be a str"):
+        gpt2.encode(b"bytes")
+    with pytest.raises(TypeError, match=r"texts\[1\] must be a str"):
+        gpt2.encode_batch(["a", 3])
+    with pytest.raises(TypeError, match="not a str"):
+        gpt2.encode_iterable("a string")
+    with pytest.raises(TypeError, match="item 1 must be a str"):
+        list(gpt2.encode_iterable(["a", b"b"]))
+    with pytest.raises(ValueError, match="num_threads"):
+        gpt2.encode_batch(["a"], num_threads=0)
+
+
+def _byte_vocab() -> dict[int, bytes]:
+    return {i: bytes([i]) for i in range(256)}
+
+
+def test_bad_vocab_and_merges():
+    with pytest.raises(ValueError, match="all 256 single-byte tokens"):
+        Tokenizer({i: bytes([i]) for i in range(255)}, [])
+    with pytest.raises(ValueError, match="both map to token"):
+        Tokenizer({**_byte_vocab(), 256: b"a"}, [])
+    with pytest.raises(TypeError, match="vocab keys must be int"):
+        Tokenizer({**_byte_vocab(), "x": b"xy"}, [])
+    with pytest.raises(ValueError, match=r"vocab\[256\] must be non-empty"):
+        Tokenizer({**_byte_vocab(), 256: b""}, [])
+    with pytest.raises(ValueError, match=r"merges\[0\] = \(b'a', b'b'\) refers to an unknown token: its merged"):
+        Tokenizer(_byte_vocab(), [(b"a", b"b")])
+    with pytest.raises(ValueError, match=r"merges\[1\].*its left token b'zz'"):
+        Tokenizer({**_byte_vocab(), 256: b"ab", 257: b"zzq"}, [(b"a", b"b"), (b"zz", b"q")])
+    with pytest.raises(TypeError, match=r"merges\[0\] must be a pair of bytes"):
+        Tokenizer(_byte_vocab(), [("a", "b")])
+    with pytest.raises(TypeError, match="vocab must be a dict"):
+        Tokenizer([b"a"], [])
+
+
+def test_bad_special_tokens():
+    with pytest.raises(ValueError, match=r"special_tokens\[1\] = 'x' repeats"):
+        Tokenizer(_byte_vocab(), [], ["x", "x"])
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] must not be empty"):
+        Tokenizer(_byte_vocab(), [], [""])
+    with pytest.raises(TypeError, match=r"special_tokens\[0\] must be a str"):
+        Tokenizer(_byte_vocab(), [], [b"x"])
+    with pytest.raises(TypeError, match="special_tokens must be a list"):
+        Tokenizer(_byte_vocab(), [], EOT)
+    with pytest.raises(ValueError, match="pattern"):
+        Tokenizer(_byte_vocab(), [], pattern="gpt3")
+
+
+def test_malformed_files_name_the_line(tmp_path, shared_dir):
+    vocab_path = _fixture(shared_dir, "gpt2_vocab.json")
+    merges = tmp_path / "merges.txt"
+    merges.write_text("#version: 0.2\nĠ t\nĠ a b\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"merges.txt:3: expected 'left right'"):
+        Tokenizer.from_files(vocab_path, merges)
+    merges.write_text("Ġ t\nĠ zzzqq\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"merges.txt:2: merge 'Ġ zzzqq' refers to an unknown token"):
+        Tokenizer.from_files(vocab_path, merges)
+    merges.write_text("Ġ t\na \u4e00\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"merges.txt:2: .*outside GPT-2's byte map"):
+        Tokenizer.from_files(vocab_path, merges)
+
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text('{\n  "a": 0,\n  "b": 1,\n  "c" 2\n}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"vocab.json:4: malformed JSON"):
+        Tokenizer.from_files(vocab, merges)
+    vocab.write_text('{\n  "a": 0,\n  "b": "one"\n}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"vocab.json:3: id of 'b' must be an int"):
+        Tokenizer.from_files(vocab, merges)
+    vocab.write_text('{\n  "a": 0,\n  "b": 0\n}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"vocab.json:3: id 0 of 'b' is already used"):
+        Tokenizer.from_files(vocab, merges)
+    vocab.write_text('[1, 2]', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"vocab.json:1: vocab must be a JSON object"):
+        Tokenizer.from_files(vocab, merges)
+    vocab.write_bytes(b'{"\xff": 0}')
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        Tokenizer.from_files(vocab, merges)
+    with pytest.raises(FileNotFoundError):
+        Tokenizer.from_files(tmp_path / "missing.json", merges)
+
+
+def test_from_files_round_trips_saved_tokenizer(tmp_path, small):
+    from trainfast.bpe import save
+
+    vocab, merges = small
+    save(vocab, merges, tmp_path)
+    tok = Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt", [EOT])
+    ref = ReferenceTokenizer(vocab, merges, [EOT])
+    text = f"Once upon a time{EOT} there was"
+    assert tok.encode(text) == ref.encode(text)
+    assert tok.vocab == vocab and tok.merges == merges
+    assert json.loads((tmp_path / "vocab.json").read_text(encoding="utf-8"))
+
+
+def test_cli_encode_and_export(shared_dir, tmp_path, small):
+    import tokenizers
+
+    from trainfast.bpe import save
+    from trainfast.cli import main
+
+    vocab, merges = small
+    save(vocab, merges, tmp_path / "tok")
+    text_path = _fixture(shared_dir, "tinystories_sample.txt")
+    assert main(["bpe", "encode", str(text_path), "--tokenizer", str(tmp_path / "tok"), "--special-token", EOT,
+                 "--out", str(tmp_path / "ids.npy")]) == 0
+    expected = ReferenceTokenizer(vocab, merges, [EOT]).encode(text_path.read_text(encoding="utf-8"))
+    assert np.load(tmp_path / "ids.npy").tolist() == expected
+    assert main(["bpe", "export", "--tokenizer", str(tmp_path / "tok"), "--special-token", EOT,
+                 "--hf", str(tmp_path / "tokenizer.json")]) == 0
+    hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert hf.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False).ids == expected
+
+
+def test_ctrl_c_stops_encoding(gpt2):
+    import os
+    import signal
+    import threading
+
+    text = ("hello world 123 " * 100 + "\n") * 40_000  # 64 MB: seconds of work
+    for run in (lambda: gpt2.encode(text), lambda: gpt2.encode_batch([text[:100_000]] * 600, num_threads=2)):
+        timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            run()
+        timer.join()
+
+
+@pytest.fixture(scope="module")
+def small_by_pattern(small):
+    from trainfast.bpe.pretokenize import PATTERNS
+
+    vocab, merges = small
+    specials = [EOT, EOT + EOT]
+    return {name: (Tokenizer(vocab, merges, specials, pattern=name),
+                   ReferenceTokenizer(vocab, merges, specials, pattern=PATTERNS[name]))
+            for name in ("gpt2", "cl100k", "o200k")}
+
+
+@given(pieces=st.lists(st.one_of(_texts, _any_text), max_size=12), pattern=st.sampled_from(["gpt2", "cl100k", "o200k"]))
+def test_stream_cuts_all_patterns_match_oracle(small_by_pattern, monkeypatch_module, pieces, pattern):
+    tok, ref = small_by_pattern[pattern]
+    text = "".join(pieces)
+    expected = ref.encode(text)
+    assert tok.encode(text) == expected
+    assert list(tok.encode_iterable(pieces)) == expected
