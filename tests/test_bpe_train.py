@@ -299,20 +299,6 @@ def test_ctrl_c_raises_keyboard_interrupt():
         timer.cancel()
 
 
-@given(st.text(alphabet=st.sampled_from(list("ab \n\t'1.\u00a0\u3000\u2028\u0085\x1c")), max_size=80),
-       st.integers(min_value=1, max_value=6))
-def test_fallback_chunking_keeps_gpt2_pretokens(text, chunk_chars):
-    import regex
-
-    from trainfast.bpe import train as train_module
-
-    if not hasattr(train_module, "_gpt2_safe_chunks"):
-        pytest.skip("regex stand-in replaced by the native pre-tokenizer")
-    chunks = list(train_module._gpt2_safe_chunks(text, chunk_chars))
-    assert "".join(chunks) == text
-    assert [t for c in chunks for t in regex.findall(ref.GPT2_PATTERN, c)] == regex.findall(ref.GPT2_PATTERN, text)
-
-
 @pytest.mark.parametrize("pattern", ["cl100k", "o200k", r"\S+|\s+"])
 def test_other_patterns(shared_dir, pattern):
     path = _fixture(shared_dir, "german.txt")
@@ -320,34 +306,3 @@ def test_other_patterns(shared_dir, pattern):
     assert len(merges) > 0 and len(vocab) == 257 + len(merges)
     if pattern.startswith("\\"):  # a custom regex: same as the oracle with that pattern
         assert (vocab, merges) == ref.train_bpe(path, 350, [SPECIAL], pattern=pattern)
-
-
-@given(st.text(alphabet=st.sampled_from(list("ab \n\r'é日\u3000<|>")), max_size=80), st.integers(min_value=1, max_value=7))
-def test_fallback_streaming_keeps_gpt2_pretokens(tmp_path_factory, text, block_bytes):
-    import regex
-
-    from trainfast.bpe import train as train_module
-
-    if not hasattr(train_module, "_read_blocks"):
-        pytest.skip("regex stand-in replaced by the native pre-tokenizer")
-    path = tmp_path_factory.mktemp("stream") / "t.txt"
-    path.write_bytes(text.encode("utf-8"))
-    specials = ["<|>", "<|"]
-    blocks = list(train_module._read_blocks(str(path), "strict", specials, block_bytes))
-    whole = text.replace("\r\n", "\n").replace("\r", "\n")
-    assert "".join(blocks) == whole
-    pieces = [p for b in blocks for p in ref.split_on_special_tokens(b, specials)]
-    expected = ref.split_on_special_tokens(whole, specials)
-    assert [t for p in pieces for t in regex.findall(ref.GPT2_PATTERN, p)] == [
-        t for p in expected for t in regex.findall(ref.GPT2_PATTERN, p)]
-
-
-def test_fallback_streaming_error_offset(tmp_path):
-    from trainfast.bpe import train as train_module
-
-    if not hasattr(train_module, "_read_blocks"):
-        pytest.skip("regex stand-in replaced by the native pre-tokenizer")
-    path = tmp_path / "bad.txt"
-    path.write_bytes("aé\nb\n".encode() * 10 + b"x\xe9y")
-    with pytest.raises(ValueError, match="byte offset 61"):
-        list(train_module._read_blocks(str(path), "strict", [], 4))

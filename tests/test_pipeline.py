@@ -4,7 +4,6 @@ real megatron-core, exact optimality of balanced_layout against brute force, and
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import subprocess
 import sys

@@ -25,7 +25,7 @@ import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
 import numpy as np
 

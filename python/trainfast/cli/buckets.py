@@ -193,7 +193,7 @@ def run(model: str, *, dp: int = 256, expert_dp: int | None = None, bucket_size:
     if num_layers is not None:
         check_int(num_layers, "--layers", min_value=1)
     spec = resolve_spec(model, num_layers)
-    import torch  # noqa: F401  (imported before timing: results are torch tensors)
+    import torch  # imported before timing: results are torch tensors
 
     start = time.perf_counter()
     result = plan(spec, dp=dp, expert_dp=expert_dp, bucket_size=bucket_size,
@@ -210,8 +210,6 @@ def run(model: str, *, dp: int = 256, expert_dp: int | None = None, bucket_size:
         if name in result["ranges"]:
             table = result["ranges"][name]
             world = layout.data_parallel_world_size
-            import torch
-
             per_rank = torch.bincount(table.rank, minlength=world)
             owned = torch.zeros(world, dtype=torch.int64).index_add_(
                 0, table.rank, table.gbuf_world[:, 1] - table.gbuf_world[:, 0])
