@@ -95,6 +95,9 @@ CASES: list[Case] = [
     Case("buckets.shard_ranges", "indivisible sizes", lambda: buckets.shard_ranges(LAYOUT, 5), ValueError, "data_parallel_world_size must divide"),
     Case("buckets.shard_ranges", "wrong value", lambda: buckets.shard_ranges(LAYOUT, 2, rank=2), ValueError, "rank"),
     Case("buckets.shard_ranges", "zero", lambda: buckets.shard_ranges(LAYOUT, 2, num_threads=0), ValueError, "num_threads"),
+    Case("buckets.shard_ranges", "output too large for memory",
+         lambda: buckets.shard_ranges(buckets.plan_layout([10**12] * 4, data_parallel_world_size=2**40), 2**40),
+         ValueError, r"would need .* GiB"),
     Case("buckets.partition_bucket_indices", "wrong ndim/shape", lambda: buckets.partition_bucket_indices([True], [1, 2]), ValueError, "num_buckets"),
     Case("buckets.partition_bucket_indices", "wrong value", lambda: buckets.partition_bucket_indices([True, True], [1, 2]), ValueError, "is_uint8"),
     Case("buckets.partition_bucket_indices", "negative", lambda: buckets.partition_bucket_indices([False], [-1]), ValueError, "num_buckets"),
@@ -128,6 +131,7 @@ CASES: list[Case] = [
     Case("eplb.rebalance_experts", "negative", lambda: eplb.rebalance_experts(torch.tensor([[1.0, -2.0]] * 2), 4, 1, 1, 2), ValueError, "layer"),
     Case("eplb.rebalance_experts", "wrong dtype", lambda: eplb.rebalance_experts(torch.ones(2, 4, dtype=torch.complex64), 4, 1, 1, 2), (ValueError, TypeError), "weight"),
     Case("eplb.rebalance_experts", "malformed string", lambda: eplb.rebalance_experts(torch.ones(2, 4), 4, 1, 1, 2, tie_break="random"), ValueError, "tie_break"),
+    Case("eplb.rebalance_experts", "output too large for memory", lambda: eplb.rebalance_experts(torch.ones(100_000, 8), 2**30, 1, 1, 8), ValueError, r"would need .* GiB"),
     Case("eplb.balanced_packing", "indivisible sizes", lambda: eplb.balanced_packing(torch.ones(2, 5), 2), AssertionError, "num_packs"),
     Case("eplb.replicate_experts", "wrong value", lambda: eplb.replicate_experts(torch.ones(2, 5), 3), AssertionError, "num_phy"),
     # --- CLI --------------------------------------------------------------------------------------------

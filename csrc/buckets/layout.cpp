@@ -16,6 +16,7 @@
 
 #include "common/check.h"
 #include "common/checked_math.h"
+#include "common/memory.h"
 
 namespace trainfast::buckets {
 namespace {
@@ -154,6 +155,7 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
                  "must not overlap the previous param of its bucket");
   }
   const int64_t num_ranks = rank_end - rank_begin;
+  check_output_fits("shard_ranges: the per-rank row offsets", num_ranks + 1, sizeof(int64_t));
   // A non-empty param [s, e) of a bucket at `offset` with shards of `shard` elements overlaps
   // exactly the ranks (s - offset) / shard .. (e - 1 - offset) / shard.
   auto rank_span = [&](int64_t k, int64_t* first, int64_t* last) {
@@ -176,6 +178,8 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
   for (int64_t r = 0; r < num_ranks; ++r) rank_rows[r + 1] += rank_rows[r];  // row offsets
 
   const int64_t num_rows = rank_rows.back();
+  // 3 columns + 4 ranges of 2: 11 int64 per row.
+  check_output_fits("shard_ranges: the table of (rank, bucket, param) rows", num_rows, 11 * sizeof(int64_t));
   ShardRanges out;
   out.rank.resize(num_rows);
   out.bucket.resize(num_rows);

@@ -12,6 +12,7 @@
 
 #include "common/check.h"
 #include "common/checked_math.h"
+#include "common/memory.h"
 
 namespace trainfast::eplb {
 namespace {
@@ -374,6 +375,9 @@ void check_shape(const Shape& s) {
                    checked_mul(s.num_layers, s.num_logical).has_value(),
                "weight", s.num_layers, "is too large");
   TF_CHECK_ARG(s.num_physical < (int64_t{1} << 31), "num_replicas", s.num_physical, "must be < 2^31");
+  // phy2log, log2phy (at least as wide) and the working copies: about 6 int64 per physical slot.
+  check_output_fits("rebalance_experts: the placement of num_layers x num_replicas slots",
+                    s.num_layers * s.num_physical, 6 * sizeof(int64_t));
 }
 
 void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_logical) {
