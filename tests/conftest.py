@@ -34,3 +34,43 @@ def pytest_report_header(config):
     from trainfast import _core
 
     return f"trainfast {trainfast.__version__} from {Path(_core.__file__).resolve()}"
+
+
+@pytest.fixture
+def sigint_repeatedly():
+    """Context manager factory: inside the block, SIGINT arrives every 20 ms after `delay` seconds,
+    like a user holding Ctrl-C; outside it, stray signals are ignored. No race with fast machines
+    (one fixed-time signal can land after the work is done) nor with slow ones."""
+    import contextlib
+    import signal
+    import threading
+
+    @contextlib.contextmanager
+    def arm(delay: float = 0.02):
+        armed = threading.Event()
+        stop = threading.Event()
+
+        def handler(signum, frame):
+            if armed.is_set():
+                raise KeyboardInterrupt
+
+        def sender():
+            if stop.wait(delay):
+                return
+            while not stop.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
+                stop.wait(0.02)
+
+        previous = signal.signal(signal.SIGINT, handler)
+        armed.set()
+        thread = threading.Thread(target=sender, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            armed.clear()
+            stop.set()
+            thread.join()
+            signal.signal(signal.SIGINT, previous)
+
+    return arm

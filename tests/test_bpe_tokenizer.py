@@ -409,18 +409,11 @@ def test_cli_encode_and_export(shared_dir, tmp_path, small):
     assert hf.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False).ids == expected
 
 
-def test_ctrl_c_stops_encoding(gpt2):
-    import os
-    import signal
-    import threading
-
+def test_ctrl_c_stops_encoding(gpt2, sigint_repeatedly):
     text = ("hello world 123 " * 100 + "\n") * 40_000  # 64 MB: seconds of work
     for run in (lambda: gpt2.encode(text), lambda: gpt2.encode_batch([text[:100_000]] * 600, num_threads=2)):
-        timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt), sigint_repeatedly():
             run()
-        timer.join()
 
 
 @pytest.fixture(scope="module")

@@ -281,22 +281,15 @@ def test_cli_train(shared_dir, tmp_path):
     assert vocab[256] == SPECIAL.encode()
 
 
-def test_ctrl_c_raises_keyboard_interrupt():
+def test_ctrl_c_raises_keyboard_interrupt(sigint_repeatedly):
     import random
-    import signal
-    import threading
 
     rng = random.Random(0)
     letters = bytes(97 + i % 26 for i in range(256))
     blob = rng.randbytes(200_000 * 16).translate(letters)
     word_counts = {blob[i:i + 4 + i % 17]: 1 + i % 997 for i in range(0, len(blob), 16)}  # seconds of merges
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train_from_counts(word_counts, 200_000, show_progress=False)
-    finally:
-        timer.cancel()
+    with pytest.raises(KeyboardInterrupt), sigint_repeatedly(0.1):
+        train_from_counts(word_counts, 200_000, show_progress=False)
 
 
 @pytest.mark.parametrize("pattern", ["cl100k", "o200k", r"\S+|\s+"])
