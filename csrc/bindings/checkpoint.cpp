@@ -34,13 +34,22 @@ py::object get_attr(py::handle obj, const py::str& attr, size_t idx) {
 
 // Product of a shape (torch.Size or any sequence of non-negative ints), overflow-checked.
 int64_t numel_of(py::handle shape, size_t idx, const char* field) {
-  const std::string where = item_name(idx) + "." + field;
-  if (!PySequence_Check(shape.ptr())) throw py::type_error(where + " must be a sequence of ints");
-  // torch.Size is a tuple: index it directly; other sequences go through PySequence_Fast.
-  auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(shape.ptr(), "shape"));
-  if (!fast) throw py::error_already_set();
-  const Py_ssize_t ndim = PySequence_Fast_GET_SIZE(fast.ptr());
-  PyObject** dims = PySequence_Fast_ITEMS(fast.ptr());
+  // Built only on error: a string per item would cost as much as the rest of the read.
+  auto where = [&] { return item_name(idx) + "." + field; };
+  if (!PySequence_Check(shape.ptr())) throw py::type_error(where() + " must be a sequence of ints");
+  // torch.Size is a tuple subclass: index it in place (PySequence_Fast would copy it to a list).
+  py::object fast;
+  PyObject** dims;
+  Py_ssize_t ndim;
+  if (PyTuple_Check(shape.ptr())) {
+    ndim = PyTuple_GET_SIZE(shape.ptr());
+    dims = &PyTuple_GET_ITEM(shape.ptr(), 0);
+  } else {
+    fast = py::reinterpret_steal<py::object>(PySequence_Fast(shape.ptr(), "shape"));
+    if (!fast) throw py::error_already_set();
+    ndim = PySequence_Fast_GET_SIZE(fast.ptr());
+    dims = PySequence_Fast_ITEMS(fast.ptr());
+  }
   int64_t numel = 1;
   for (Py_ssize_t d = 0; d < ndim; ++d) {
     py::handle dim(dims[d]);
@@ -48,15 +57,15 @@ int64_t numel_of(py::handle shape, size_t idx, const char* field) {
     const long long value = PyLong_AsLongLongAndOverflow(dim.ptr(), &overflow);
     if (value == -1 && PyErr_Occurred()) {
       PyErr_Clear();
-      throw py::type_error(where + " must be a sequence of ints (got " +
+      throw py::type_error(where() + " must be a sequence of ints (got " +
                            std::string(py::repr(dim)) + ")");
     }
     if (overflow != 0 || value < 0) {
-      throw py::value_error(where + " has a negative or oversized dimension (got " +
+      throw py::value_error(where() + " has a negative or oversized dimension (got " +
                             std::string(py::repr(dim)) + ")");
     }
     const auto product = checked_mul(numel, value);
-    if (!product) throw py::value_error(where + " has more than 2^63-1 elements");
+    if (!product) throw py::value_error(where() + " has more than 2^63-1 elements");
     numel = *product;
   }
   return numel;
