@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainfast import buckets, checkpoint, eplb, pipeline
+from trainfast import bpe, buckets, checkpoint, eplb, pipeline
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,18 @@ def _cli(*argv: str) -> None:
 
 
 INT64_MAX = np.iinfo(np.int64).max
+_TINY_VOCAB = {i: bytes([i]) for i in range(256)} | {256: b"ab"}
+_TINY_TOKENIZER = bpe.Tokenizer(_TINY_VOCAB, [(b"a", b"b")])
+
+
+def _file(name: str, data: bytes) -> str:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="trainfast-bad-input-")) / name
+    path.write_bytes(data)
+    return str(path)
+
+
 LAYOUT = buckets.plan_layout([100, 200, 300], bucket_size=256, data_parallel_world_size=2)
 
 CASES: list[Case] = [
@@ -134,11 +146,36 @@ CASES: list[Case] = [
     Case("eplb.rebalance_experts", "output too large for memory", lambda: eplb.rebalance_experts(torch.ones(100_000, 8), 2**30, 1, 1, 8), ValueError, r"would need .* GiB"),
     Case("eplb.balanced_packing", "indivisible sizes", lambda: eplb.balanced_packing(torch.ones(2, 5), 2), AssertionError, "num_packs"),
     Case("eplb.replicate_experts", "wrong value", lambda: eplb.replicate_experts(torch.ones(2, 5), 3), AssertionError, "num_phy"),
+    # --- bpe ---------------------------------------------------------------------------------------------
+    Case("bpe.pretokenize", "wrong type", lambda: bpe.pretokenize(b"bytes"), TypeError, "text"),
+    Case("bpe.pretokenize", "malformed string", lambda: bpe.pretokenize("x", pattern="gpt3"), ValueError, "pattern"),
+    Case("bpe.pretokenize", "empty", lambda: bpe.pretokenize("x", special_tokens=[""]), ValueError, "special"),
+    Case("bpe.count_pretokens", "missing/unreadable file", lambda: bpe.count_pretokens(["/nonexistent/x.txt"]), OSError, "x.txt"),
+    Case("bpe.count_pretokens", "invalid UTF-8", lambda: bpe.count_pretokens(_file("bad.txt", b"ok \xff")), ValueError, "byte offset 3"),
+    Case("bpe.count_pretokens", "zero", lambda: bpe.count_pretokens(iter(["x"]), num_threads=0), ValueError, "num_threads"),
+    Case("bpe.count_pretokens", "wrong type", lambda: bpe.count_pretokens(iter(["x"]), special_tokens="<|e|>"), TypeError, "special_tokens"),
+    Case("bpe.train_bpe", "zero", lambda: bpe.train_bpe(iter(["x"]), 0), ValueError, "vocab_size"),
+    Case("bpe.train_bpe", "wrong value", lambda: bpe.train_bpe(iter(["x"]), 256, ["<|e|>"]), ValueError, "vocab_size"),
+    Case("bpe.train_bpe", "wrong value", lambda: bpe.train_bpe(iter(["x"]), 300, ["a", "a"]), ValueError, "special"),
+    Case("bpe.train_bpe", "missing/unreadable file", lambda: bpe.train_bpe("/nonexistent/corpus.txt", 300), OSError, "corpus.txt"),
+    Case("bpe.train_bpe", "invalid UTF-8", lambda: bpe.train_bpe(_file("bad.txt", b"abc\xc3("), 300), ValueError, "byte offset 3"),
+    Case("bpe.train_bpe", "malformed string", lambda: bpe.train_bpe(iter(["x"]), 300, errors="loose"), ValueError, "errors"),
+    Case("bpe.Tokenizer", "wrong value", lambda: bpe.Tokenizer(_TINY_VOCAB, [(b"a", b"zz")]), ValueError, "merges"),
+    Case("bpe.Tokenizer", "wrong type", lambda: bpe.Tokenizer([b"a"], []), TypeError, "vocab"),
+    Case("bpe.Tokenizer.decode", "negative", lambda: _TINY_TOKENIZER.decode([-1]), ValueError, "-1"),
+    Case("bpe.Tokenizer.decode", "wrong value", lambda: _TINY_TOKENIZER.decode([257]), ValueError, "257"),
+    Case("bpe.Tokenizer.decode", "int64 overflow", lambda: _TINY_TOKENIZER.decode([2**70]), (ValueError, OverflowError), "."),
+    Case("bpe.Tokenizer.from_files", "missing/unreadable file", lambda: bpe.Tokenizer.from_files("/nonexistent/v.json", "/nonexistent/m.txt"), OSError, "v.json"),
+    Case("bpe.Tokenizer.from_files", "malformed string", lambda: bpe.Tokenizer.from_files(_file("v.json", b'{"a": 0,'), _file("m.txt", b"")), ValueError, r"v\.json:1: malformed JSON"),
+    Case("bpe.WordCounts.from_bytes", "malformed string", lambda: bpe.WordCounts.from_bytes(b"not a counts file"), ValueError, "."),
+    Case("bpe.load", "missing/unreadable file", lambda: bpe.load("/nonexistent/dir"), OSError, "nonexistent"),
     # --- CLI --------------------------------------------------------------------------------------------
     Case("trainfast checkpoint (CLI)", "zero", lambda: _cli("checkpoint", "--bins", "0"), ValueError, "bins"),
     Case("trainfast pipeline (CLI)", "malformed string", lambda: _cli("pipeline", "--method", "layout", "--layout", "E((t|L", "--pp", "2"), ValueError, "unbalanced"),
     Case("trainfast buckets (CLI)", "missing/unreadable file", lambda: _cli("buckets", "--model", "/nonexistent/spec.json"), ValueError, "spec.json"),
     Case("trainfast buckets (CLI)", "zero", lambda: _cli("buckets", "--dp", "0"), ValueError, "dp"),
+    Case("trainfast bpe train (CLI)", "missing/unreadable file", lambda: _cli("bpe", "train", "/nonexistent/c.txt", "--vocab-size", "300", "--out", "/tmp/trainfast-never"), ValueError, "c.txt"),
+    Case("trainfast eplb (CLI)", "missing/unreadable file", lambda: _cli("eplb", "/nonexistent/loads.npy"), ValueError, "loads.npy"),
 ]
 
 # Inputs that look unusual but are valid: they must work and equal the plain call.
@@ -183,7 +220,9 @@ def _case_id(case: Case) -> str:
 def test_bad_input_raises_a_clear_error(case: Case):
     with pytest.raises(case.error, match=case.match) as info:
         case.call()
-    assert isinstance(info.value, (ValueError, TypeError)), f"{type(info.value).__name__} is neither ValueError nor TypeError"
+    # A missing file is Python's FileNotFoundError (an OSError); everything else ValueError/TypeError.
+    allowed = (ValueError, TypeError, OSError) if case.bad_class == "missing/unreadable file" else (ValueError, TypeError)
+    assert isinstance(info.value, allowed), f"{type(info.value).__name__} is not one of {allowed}"
     assert str(info.value).strip(), "the message must say what is wrong"
 
 
@@ -225,7 +264,8 @@ def matrix_markdown() -> str:
         "- `test_bad_input.py`: the matrix below.\n\n"
         "## Bad-input matrix\n\n"
         "Generated by `python tests/test_bad_input.py > tests/README.md` (a test checks it is current).\n"
-        f"{len(CASES)} rejected cases (`N err`: each raises ValueError/TypeError naming the argument) and\n"
+        f"{len(CASES)} rejected cases (`N err`: each raises ValueError/TypeError naming the argument, or\n"
+        "FileNotFoundError for a missing file) and\n"
         f"{len(ACCEPTED)} unusual-but-valid inputs (`works`), on top of each domain's own bad-input tests.\n\n"
         f"{header}\n" + "\n".join(rows) + "\n"
     )

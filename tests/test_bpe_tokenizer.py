@@ -66,8 +66,8 @@ def test_fixtures_match_tiktoken(shared_dir, gpt2, gpt2_plain, tiktoken_enc, nam
     assert gpt2_plain.encode(text) == tiktoken_enc.encode_ordinary(text)
 
 
-@pytest.mark.parametrize("name,num_chars", [("austen", None), ("kjv", None), ("multilingual", 6_000_000),
-                                            ("gcide", 6_000_000)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name,num_chars", [("austen", None), ("kjv", None), ("multilingual", None), ("gcide", None)])
 def test_corpora_match_tiktoken(shared_dir, gpt2, tiktoken_enc, name, num_chars):
     text = _corpus(shared_dir, name, num_chars)
     ids = gpt2.encode(text)
