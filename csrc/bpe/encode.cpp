@@ -8,18 +8,10 @@
 
 #include "bpe/unicode_tables.h"
 #include "common/check.h"
+#include "common/hash.h"
 
 namespace trainfast::bpe {
 namespace {
-
-inline uint64_t mix64(uint64_t x) {
-  x ^= x >> 32;
-  x *= 0xD6E8FEB86659FD93ull;
-  x ^= x >> 32;
-  x *= 0xD6E8FEB86659FD93ull;
-  x ^= x >> 32;
-  return x;
-}
 
 inline uint64_t hash_bytes(const uint8_t* p, size_t n) {
   uint64_t h = 0x9E3779B97F4A7C15ull ^ (n * 0xFF51AFD7ED558CCDull);

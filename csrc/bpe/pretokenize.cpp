@@ -16,6 +16,8 @@
 
 #include "bpe/unicode_tables.h"
 #include "common/check.h"
+#include "common/hash.h"
+#include "common/utf8.h"
 
 namespace trainfast::bpe {
 namespace {
@@ -394,14 +396,6 @@ inline uint64_t short_hash(uint64_t word, uint32_t len) {
   return h ^ (h >> 32);
 }
 
-inline uint64_t mix(uint64_t x) {
-  x ^= x >> 32;
-  x *= 0xD6E8FEB86659FD93ull;
-  x ^= x >> 32;
-  x *= 0xD6E8FEB86659FD93ull;
-  x ^= x >> 32;
-  return x;
-}
 
 inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
   uint64_t h = 0x9E3779B97F4A7C15ull ^ len;
@@ -413,7 +407,7 @@ inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
     h ^= h >> 29;
   }
   if (i < len) h = (h ^ load_upto8(p + i, len - i)) * 0xC4CEB9FE1A85EC53ull;
-  return mix(h);
+  return mix64(h);
 }
 
 class CountTable {
@@ -709,22 +703,8 @@ size_t TextDecoder::decode(const uint8_t* raw, size_t n, bool final, int64_t bas
     // Well-formed sequences (Unicode Table 3-7); an ill-formed one is replaced by maximal
     // subparts, as Python's decoder does.
     int need;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) {
-      need = 1;
-    } else if (b == 0xE0) {
-      need = 2, lo = 0xA0;
-    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
-      need = 2;
-    } else if (b == 0xED) {
-      need = 2, hi = 0x9F;
-    } else if (b == 0xF0) {
-      need = 3, lo = 0x90;
-    } else if (b >= 0xF1 && b <= 0xF3) {
-      need = 3;
-    } else if (b == 0xF4) {
-      need = 3, hi = 0x8F;
-    } else {
+    uint8_t lo, hi;
+    if (!utf8_lead(b, &need, &lo, &hi)) {
       i = invalid(i, 1, "invalid start byte");
       continue;
     }
@@ -975,25 +955,10 @@ bool scan_utf8(const uint8_t* s, size_t n, size_t* num_cr, size_t* num_crlf) {
       ++i;
       continue;
     }
-    size_t need;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) {
-      need = 1;
-    } else if (b == 0xE0) {
-      need = 2, lo = 0xA0;
-    } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
-      need = 2;
-    } else if (b == 0xED) {
-      need = 2, hi = 0x9F;
-    } else if (b == 0xF0) {
-      need = 3, lo = 0x90;
-    } else if (b >= 0xF1 && b <= 0xF3) {
-      need = 3;
-    } else if (b == 0xF4) {
-      need = 3, hi = 0x8F;
-    } else {
-      return false;
-    }
+    int num_continuation;
+    uint8_t lo, hi;
+    if (!utf8_lead(b, &num_continuation, &lo, &hi)) return false;
+    const size_t need = static_cast<size_t>(num_continuation);
     if (i + need >= n) return false;  // unfinished at the end
     if (s[i + 1] < lo || s[i + 1] > hi) return false;
     for (size_t k = 2; k <= need; ++k) {

@@ -1,0 +1,33 @@
+// UTF-8 well-formedness (Unicode Table 3-7), shared by the decoders.
+#pragma once
+
+#include <cstdint>
+
+namespace trainfast {
+
+// For a lead byte >= 0x80: the number of continuation bytes it needs and the allowed range of the
+// first one (the later ones are always 0x80..0xBF). False for bytes that cannot start a sequence.
+inline bool utf8_lead(uint8_t lead, int* num_continuation, uint8_t* first_lo, uint8_t* first_hi) {
+  *first_lo = 0x80;
+  *first_hi = 0xBF;
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    *num_continuation = 1;
+  } else if (lead == 0xE0) {
+    *num_continuation = 2, *first_lo = 0xA0;
+  } else if ((lead >= 0xE1 && lead <= 0xEC) || lead == 0xEE || lead == 0xEF) {
+    *num_continuation = 2;
+  } else if (lead == 0xED) {
+    *num_continuation = 2, *first_hi = 0x9F;  // no surrogates
+  } else if (lead == 0xF0) {
+    *num_continuation = 3, *first_lo = 0x90;
+  } else if (lead >= 0xF1 && lead <= 0xF3) {
+    *num_continuation = 3;
+  } else if (lead == 0xF4) {
+    *num_continuation = 3, *first_hi = 0x8F;  // <= U+10FFFF
+  } else {
+    return false;
+  }
+  return true;
+}
+
+}  // namespace trainfast
