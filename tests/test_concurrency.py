@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from trainfast import buckets, checkpoint, eplb
+from trainfast import bpe, buckets, checkpoint, eplb, pipeline
 
 
 def _checkpoint_call():
@@ -37,13 +37,43 @@ def _eplb_call(num_threads=None, tie_break="torch"):
     return tuple(t.tolist() for t in out)
 
 
+def _pipeline_call():
+    costs = np.random.default_rng(11).random(1000)
+    plan, layout = pipeline.balanced_layout(costs, 16, 4)
+    return layout, tuple((key, tuple(value)) for key, value in plan.items())
+
+
+_TEXT = "The quick brown fox's 123 jumps\n\nover the lazy dog. Überall 日本語 テキスト!\r\n" * 2000
+
+
+def _bpe_count_call(num_threads=None):
+    return sorted(bpe.count_pretokens(iter([_TEXT] * 4), num_threads=num_threads).items())
+
+
+def _bpe_train_call(num_threads=None):
+    return bpe.train_bpe(iter([_TEXT]), 400, ["<|endoftext|>"], num_threads=num_threads, show_progress=False)
+
+
+def _bpe_encode_call(num_threads=None):
+    vocab, merges = _bpe_train_call()
+    tokenizer = bpe.Tokenizer(vocab, merges, ["<|endoftext|>"])
+    return tokenizer.encode(_TEXT), tokenizer.encode_batch(_TEXT.splitlines()[:500], num_threads=num_threads)
+
+
 CALLS = {
     "checkpoint.assign_bins": _checkpoint_call,
+    "pipeline.balanced_layout": _pipeline_call,
+    "bpe.count_pretokens": _bpe_count_call,
+    "bpe.train_bpe": _bpe_train_call,
+    "bpe.Tokenizer.encode": _bpe_encode_call,
     "buckets.shard_ranges": _buckets_call,
     "eplb.rebalance_experts": _eplb_call,
 }
 # Kernels with a num_threads argument: same answer for any thread count.
 THREADED_CALLS = {
+    "bpe.count_pretokens": _bpe_count_call,
+    "bpe.train_bpe": _bpe_train_call,
+    "bpe.Tokenizer.encode_batch": _bpe_encode_call,
     "buckets.shard_ranges": _buckets_call,
     "eplb.rebalance_experts": _eplb_call,
     "eplb.rebalance_experts(stable)": lambda num_threads=None: _eplb_call(num_threads, "stable"),
