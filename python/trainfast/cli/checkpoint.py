@@ -47,7 +47,7 @@ def run(num_layers: int, bins: int, seed: int) -> int:
              ("refined (chunk + moves/swaps)", "chunk", "refined")]
     _, chunk_sizes = write_item_sizes(items, sizing="chunk", count_bytes=True)
     size_of = dict(zip(map(id, items), chunk_sizes.tolist()))
-    print(f"  {'mode':32s} {'per-bin GiB (actual chunk bytes written)':>{9 * bins}s}   max/mean")
+    print(f"  {'mode':32s} {'per-bin GiB written':^{8 * bins - 1}s}   max/mean")
     for label, sizing, balance in modes:
         binned = split_by_size_and_type(bins, items, sizing=sizing, balance=balance)
         loads = [sum(size_of[id(item)] for item in group) for group in binned]
