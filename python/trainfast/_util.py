@@ -11,6 +11,7 @@ import numpy as np
 
 __all__ = [
     "UpstreamAssertionError",
+    "write_atomic",
     "as_array",
     "check_choice",
     "check_int",
@@ -108,3 +109,23 @@ def to_tensor(array: np.ndarray) -> Any:
     import torch
 
     return torch.from_numpy(array)
+
+
+def write_atomic(path: Any, data: bytes | str) -> None:
+    """Writes ``data`` to ``path`` through a temp file in the same directory and a rename, so readers
+    never see a half-written file (str is written as UTF-8 with "\n" newlines)."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

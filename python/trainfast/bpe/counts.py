@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Union
 
 import numpy as np
 
-from trainfast._util import check_choice, resolve_num_threads
+from trainfast._util import check_choice, resolve_num_threads, write_atomic
 
 __all__ = ["WordCounts", "count_words", "train_from_counts"]
 
@@ -210,14 +209,7 @@ class WordCounts:
         if path.is_dir():
             raise IsADirectoryError(f"path {str(path)!r} is a directory")
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.to_bytes())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomic(path, self.to_bytes())
         return path
 
     @classmethod

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainfast._util import write_atomic
 from trainfast.bpe.io import bytes_to_unicode
 from trainfast.bpe.tokenizer import _check_merges, _check_special_tokens, _check_vocab
 
@@ -138,14 +138,7 @@ def to_hf_tokenizer_json(
     if path.is_dir():
         raise IsADirectoryError(f"path {str(path)!r} is a directory (give the tokenizer.json file path)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(document, f, ensure_ascii=False)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, json.dumps(document, ensure_ascii=False))
     return path
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from functools import lru_cache
 from pathlib import Path
+
+from trainfast._util import write_atomic
 
 __all__ = ["bytes_to_unicode", "load", "save"]
 
@@ -50,19 +51,6 @@ def _decode(text: str, what: str) -> bytes:
         raise ValueError(f"{what}: {text!r} has a character outside GPT-2's byte map ({error.args[0]!r})") from None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: str | os.PathLike[str]) -> None:
     """Writes ``out_dir/vocab.json`` and ``out_dir/merges.txt`` (each atomically: temp + rename).
 
@@ -87,8 +75,8 @@ def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: st
         raise NotADirectoryError(f"out_dir {str(out)!r} is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     vocab_json = {_encode(token): token_id for token_id, token in sorted(vocab.items())}
-    _write_atomic(out / VOCAB_FILE, json.dumps(vocab_json, ensure_ascii=False, indent=2) + "\n")
-    _write_atomic(out / MERGES_FILE, "".join(lines))
+    write_atomic(out / VOCAB_FILE, json.dumps(vocab_json, ensure_ascii=False, indent=2) + "\n")
+    write_atomic(out / MERGES_FILE, "".join(lines))
 
 
 def load(out_dir: str | os.PathLike[str]) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
