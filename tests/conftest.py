@@ -51,7 +51,11 @@ def sigint_repeatedly():
         stop = threading.Event()
 
         def handler(signum, frame):
+            # One KeyboardInterrupt per block: a handler may run at any bytecode, even inside the
+            # cleanup below, so it disarms itself and stops the sender before raising.
             if armed.is_set():
+                armed.clear()
+                stop.set()
                 raise KeyboardInterrupt
 
         def sender():
