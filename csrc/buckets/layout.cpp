@@ -244,7 +244,7 @@ BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<cons
     TF_CHECK_ARG(num_buckets[b] >= 0, "num_buckets", num_buckets[b], "must be non-negative");
     if (is_uint8[b]) {
       TF_CHECK_ARG(uint8_buffer < 0, "is_uint8", "two uint8 buffers",
-                   "must mark at most one buffer (Megatron asserts distinct param dtypes)");
+                   "must mark at most one buffer (Megatron asserts a single uint8 buffer)");
       uint8_buffer = b;
     }
   }
@@ -260,12 +260,29 @@ BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<cons
     for (int64_t b = 0; b < num_buffers; ++b)
       for (int64_t j = 0; j < num_buckets[b]; ++j) add(b, j);
     close_group();
-  } else if (reduce_scatter_with_fp32_accumulation || uint8_buffer < 0) {
+  } else if (uint8_buffer < 0) {
     for (int64_t b = 0; b < num_buffers; ++b)
       for (int64_t j = 0; j < num_buckets[b]; ++j) {
         add(b, j);
         close_group();
       }
+  } else if (reduce_scatter_with_fp32_accumulation) {
+    // Every bucket alone, but in upstream's fp8-first order: the fp8 buckets, then (after the last
+    // fp8 one; never without one) every non-fp8 bucket in buffer order.
+    const int64_t count = num_buckets[uint8_buffer];
+    for (int64_t j = 0; j < count; ++j) {
+      add(uint8_buffer, j);
+      close_group();
+    }
+    if (count > 0) {
+      for (int64_t b = 0; b < num_buffers; ++b) {
+        if (b == uint8_buffer) continue;
+        for (int64_t k = 0; k < num_buckets[b]; ++k) {
+          add(b, k);
+          close_group();
+        }
+      }
+    }
   } else {
     // fp8 buckets each alone; the last one also takes every non-fp8 bucket (they fill late).
     const int64_t count = num_buckets[uint8_buffer];

@@ -369,24 +369,35 @@ def partition_bucket_indices(
 
 
 def _quantized_predicates() -> list:
+    """Upstream's "stored as uint8" test: newer megatron-core has one function for it (fp8, nvfp4
+    and grouped quantized tensors); older releases check fp8 and nvfp4 separately."""
     predicates = []
     import importlib.util
 
     if importlib.util.find_spec("megatron") is None:
         return predicates
-    try:
-        from megatron.core import fp8_utils
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron's import-time notices (no TE/Apex, ...)
+        try:
+            from megatron.core.distributed import param_and_grad_buffer as pgb
 
-        predicates.append(fp8_utils.is_float8tensor)
-    except ImportError:
-        pass
-    try:
-        from megatron.core import fp4_utils
+            if hasattr(pgb, "_param_uses_quantized_storage"):
+                return [pgb._param_uses_quantized_storage]
+        except ImportError:
+            pass
+        try:
+            from megatron.core import fp8_utils
 
-        if hasattr(fp4_utils, "is_nvfp4tensor"):
-            predicates.append(fp4_utils.is_nvfp4tensor)
-    except ImportError:
-        pass
+            predicates.append(fp8_utils.is_float8tensor)
+        except ImportError:
+            pass
+        try:
+            from megatron.core import fp4_utils
+
+            if hasattr(fp4_utils, "is_nvfp4tensor"):
+                predicates.append(fp4_utils.is_nvfp4tensor)
+        except ImportError:
+            pass
     return predicates
 
 
@@ -461,7 +472,7 @@ def _make_key(param_dtype: Any, grad_dtype: Any, is_expert: bool, layer_wise: bo
     return key_type(param_dtype, grad_dtype, is_expert)
 
 
-def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any) -> Any:
+def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any, num_optimizer_shards: Any = None) -> Any:
     # Megatron's dict iterates in layout (reverse model) order.
     starts = layout.param_start.tolist()
     ends = layout.param_end.tolist()
@@ -472,6 +483,7 @@ def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any)
         bucket_indices=[tuple(pair) for pair in layout.bucket_indices.tolist()],
         per_bucket_numel_unpadded=layout.per_bucket_numel_unpadded.tolist(),
         param_indices=list(param_indices) if param_indices is not None else [],
+        num_optimizer_shards=num_optimizer_shards,
     )
 
 
@@ -504,7 +516,8 @@ def compute_per_buffer_param_layout(
         use_distributed_optimizer=True,
         pad_buckets_for_high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
     )
-    return _to_per_buffer_layout(param_list, layout, param_indices)
+    # Upstream records the shard count so the range builders can check the group matches.
+    return _to_per_buffer_layout(param_list, layout, param_indices, layout.data_parallel_world_size)
 
 
 def compute_full_param_layout(
@@ -528,22 +541,39 @@ def compute_full_param_layout(
     return _dataclasses()[2](layouts=layouts)
 
 
-def partition_buckets(buffers: Any, force_single_bucket_group: bool = False) -> list:
+def partition_buckets(
+    buffers: Any,
+    force_single_bucket_group: bool = False,
+    reduce_scatter_with_fp32_accumulation: bool = False,
+    *,
+    require_distinct_param_dtypes: bool = False,
+) -> list:
     """Megatron's ``partition_buckets``: regroups the buckets of ``_ParamAndGradBuffer`` objects into
-    ``_ParamAndGradBucketGroup`` objects (the upstream class), with upstream's checks."""
+    ``_ParamAndGradBucketGroup`` objects (the upstream class), with upstream's checks.
+
+    ``reduce_scatter_with_fp32_accumulation`` (newer megatron-core) puts every bucket in a group of
+    its own, fp8 buckets first. ``require_distinct_param_dtypes`` adds the check of megatron-core
+    <= 0.16 (no two buffers of one param dtype); newer releases only refuse two uint8 buffers.
+    """
     buffer_list = _param_list(buffers)
     if not buffer_list:
         return []
     import torch
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-    seen = set()
-    for buffer in buffer_list:
-        if buffer.param_dtype in seen:
-            raise UpstreamAssertionError(
-                f"buffers must have distinct param dtypes (got {buffer.param_dtype} twice)"
-            )
-        seen.add(buffer.param_dtype)
+    if require_distinct_param_dtypes:
+        seen = set()
+        for buffer in buffer_list:
+            if buffer.param_dtype in seen:
+                raise UpstreamAssertionError(
+                    f"buffers must have distinct param dtypes (got {buffer.param_dtype} twice)"
+                )
+            seen.add(buffer.param_dtype)
+    flags = np.fromiter((b.param_dtype == torch.uint8 for b in buffer_list), dtype=np.uint8, count=len(buffer_list))
+    if int(flags.sum()) > 1:
+        raise UpstreamAssertionError(
+            f"buffers must hold at most one uint8 (fp8) buffer (got {int(flags.sum())})"
+        )
     if force_single_bucket_group:
         first = buffer_list[0]
         for buffer in buffer_list:
@@ -555,18 +585,19 @@ def partition_buckets(buffers: Any, force_single_bucket_group: bool = False) -> 
                 raise UpstreamAssertionError(
                     "force_single_bucket_group needs every buffer to share ddp_config and data-parallel group"
                 )
-    flags = np.fromiter((b.param_dtype == torch.uint8 for b in buffer_list), dtype=np.uint8, count=len(buffer_list))
     counts = np.fromiter((len(b.buckets) for b in buffer_list), dtype=np.int64, count=len(buffer_list))
-    offsets, pairs = _core.buckets_partition(flags, counts, bool(force_single_bucket_group), False)
+    offsets, pairs = _core.buckets_partition(
+        flags, counts, bool(force_single_bucket_group), bool(reduce_scatter_with_fp32_accumulation)
+    )
     offsets, pairs = offsets.tolist(), pairs.tolist()
-    uint8_index = int(np.flatnonzero(flags)[0]) if flags.any() else None
+    has_uint8 = bool(flags.any())
     groups = []
     for g in range(len(offsets) - 1):
         members = pairs[offsets[g]: offsets[g + 1]]
         # Upstream builds each group with the buffer its loop left behind: the first, the last, or its own.
         if force_single_bucket_group:
             owner = buffer_list[0]
-        elif uint8_index is not None:
+        elif has_uint8:
             owner = buffer_list[-1]  # upstream reuses the loop variable left by the non-fp8 scan
         else:
             owner = buffer_list[members[0][0]]
@@ -598,6 +629,12 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
     params' ranges, ``{"param_map": ...}``; computes only this rank's range (upstream builds all)."""
     group = param_and_grad_buffer.data_parallel_group
     rank, world = group.rank(), group.size()
+    shards = getattr(param_and_grad_buffer, "num_optimizer_shards", None)
+    if shards is not None and shards != world:
+        raise UpstreamAssertionError(
+            f"Parameter layout was built for {shards} optimizer shards but the buffer's data-parallel "
+            f"group has {world} ranks"
+        )
     if not 0 <= rank < world:
         raise IndexError(f"data-parallel rank {rank} is outside a group of size {world}")
     bucket = param_and_grad_buffer.buckets[bucket_index]
