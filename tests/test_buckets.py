@@ -688,3 +688,16 @@ def test_against_the_newest_megatron_core():
     )
     assert result.returncode == 0, f"{result.stdout[-20000:]}\n{result.stderr[-5000:]}"
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+def test_materialize_is_device_generic():
+    """materialize allocates on the device it is given (CUDA in training; meta here, as no GPU is on
+    CI): buffers and views land there, laid out as on CPU."""
+    params = [torch.nn.Parameter(torch.zeros(3, 5)), torch.nn.Parameter(torch.zeros(7))]
+    layout = buckets.plan_layout([15, 7], data_parallel_world_size=2)
+    cpu = buckets.materialize(layout, params, param_dtype=torch.bfloat16)
+    meta = buckets.materialize(layout, params, param_dtype=torch.bfloat16, device=torch.device("meta"))
+    assert meta.grad_data.device.type == "meta" and meta.param_data.device.type == "meta"
+    assert meta.grad_data.shape == cpu.grad_data.shape and meta.param_data.dtype == torch.bfloat16
+    for a, b in zip(meta.grad_views + meta.param_views, cpu.grad_views + cpu.param_views):
+        assert a.device.type == "meta" and a.shape == b.shape and a.storage_offset() == b.storage_offset()
