@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <map>
 #include <numeric>
 #include <string>
 
@@ -296,31 +295,6 @@ BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<cons
       }
       close_group();
     }
-  }
-  return out;
-}
-
-BufferGroups group_params(std::span<const int64_t> storage_code, std::span<const int64_t> fake_code,
-                          std::span<const int64_t> grad_code, std::span<const uint8_t> is_expert,
-                          std::span<const int64_t> extra_code) {
-  const size_t n = storage_code.size();
-  TF_CHECK_ARG(fake_code.size() == n && grad_code.size() == n && is_expert.size() == n &&
-                   extra_code.size() == n,
-               "params", "arrays of different lengths", "must give one code per param");
-  using Key = std::array<int64_t, 4>;
-  std::map<Key, int64_t> buffer_of_key;
-  std::map<Key, int64_t> counter;
-  BufferGroups out;
-  out.buffer_of_param.resize(n);
-  out.param_indices.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t expert = is_expert[i] ? 1 : 0;
-    const Key key{storage_code[i], grad_code[i], expert, extra_code[i]};
-    auto [it, inserted] = buffer_of_key.try_emplace(key, static_cast<int64_t>(out.key_of_buffer.size()));
-    if (inserted) out.key_of_buffer.push_back(static_cast<int64_t>(i));
-    out.buffer_of_param[i] = it->second;
-    int64_t& next = counter[Key{fake_code[i], grad_code[i], expert, extra_code[i]}];
-    out.param_indices[i] = next++;
   }
   return out;
 }

@@ -431,41 +431,33 @@ def group_params_for_buffers(params: Any, grad_reduce_in_fp32: bool) -> dict:
 
     param_list = _param_list(params)
     predicates = _quantized_predicates()
-    codes: dict = {}
-    n = len(param_list)
-    storage = np.empty(n, dtype=np.int64)
-    fake = np.empty(n, dtype=np.int64)
-    grad = np.empty(n, dtype=np.int64)
-    expert = np.empty(n, dtype=np.uint8)
-    extra = np.empty(n, dtype=np.int64)
-    fp32 = torch.float
+    quantized = predicates[0] if len(predicates) == 1 else (lambda p: any(pred(p) for pred in predicates))
+    uint8, fp32 = torch.uint8, torch.float
+    # A group-by on attributes read once per param: plain tuples as keys (upstream hashes two frozen
+    # dataclasses per param), megatron's BufferKey built once per buffer.
+    members: dict = {}
+    counters: dict = {}
     for i, param in enumerate(param_list):
         if not param.requires_grad:
             raise UpstreamAssertionError(f"params[{i}] does not require grad (Megatron asserts requires_grad)")
         dtype = param.dtype
-        storage_dtype = torch.uint8 if any(pred(param) for pred in predicates) else dtype
         grad_dtype = fp32 if grad_reduce_in_fp32 else dtype
-        storage[i] = codes.setdefault(storage_dtype, len(codes))
-        fake[i] = codes.setdefault(dtype, len(codes))
-        grad[i] = codes.setdefault(grad_dtype, len(codes))
-        expert[i] = not getattr(param, "allreduce", True)
-        extra[i] = bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
-    buffer_of_param, param_indices, first_param = _core.buckets_group_params(storage, fake, grad, expert, extra)
-    dtypes = {code: dtype for dtype, code in codes.items()}
-    result: dict = {}
-    keys = []
-    for first in first_param.tolist():
-        key = _make_key(dtypes[int(storage[first])], dtypes[int(grad[first])], bool(expert[first]), bool(extra[first]))
-        keys.append(key)
-        result[key] = ([], [])
-    for param, buffer, index in zip(param_list, buffer_of_param.tolist(), param_indices.tolist()):
-        entry = result[keys[buffer]]
+        is_expert = not getattr(param, "allreduce", True)
+        layer_wise = getattr(param, "is_managed_by_layer_wise_optimizer", False)
+        key = (uint8 if quantized(param) else dtype, grad_dtype, is_expert, layer_wise)
+        entry = members.get(key)
+        if entry is None:
+            entry = members[key] = ([], [])
         entry[0].append(param)
+        # param_indices count under the fake (high-precision) dtype
+        fake_key = (dtype, grad_dtype, is_expert, layer_wise)
+        index = counters.get(fake_key, 0)
+        counters[fake_key] = index + 1
         entry[1].append(index)
-    return result
+    return {_make_key(*key): entry for key, entry in members.items()}
 
 
-def _make_key(param_dtype: Any, grad_dtype: Any, is_expert: bool, layer_wise: bool) -> Any:
+def _make_key(param_dtype: Any, grad_dtype: Any, is_expert: bool, layer_wise: Any) -> Any:
     key_type = _dataclasses()[0]
     if layer_wise or "is_managed_by_layer_wise_optimizer" in getattr(key_type, "__dataclass_fields__", {}):
         return key_type(param_dtype, grad_dtype, is_expert, layer_wise)
@@ -477,7 +469,7 @@ def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any,
     starts = layout.param_start.tolist()
     ends = layout.param_end.tolist()
     ids = layout.bucket_id.tolist()
-    index_map = {params[i]: (starts[i], ends[i], ids[i]) for i in range(len(params) - 1, -1, -1)}
+    index_map = dict(zip(reversed(params), zip(reversed(starts), reversed(ends), reversed(ids))))
     return _dataclasses()[1](
         param_index_map=index_map,
         bucket_indices=[tuple(pair) for pair in layout.bucket_indices.tolist()],
