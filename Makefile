@@ -20,7 +20,7 @@ $(VENV)/.deps: pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -c $(CONSTRAINTS) numpy tqdm $(BUILD_DEPS) $(TEST_DEPS)
 	touch $@
 
-$(MEGATRON_NEWEST)/.stamp: .ci/megatron-newest.txt $(VENV)/.deps
+$(MEGATRON_NEWEST)/.stamp: .ci/megatron-newest.txt | $(VENV)/.deps
 	rm -rf $(MEGATRON_NEWEST)
 	$(PIP) install --no-deps --ignore-requires-python --target $(MEGATRON_NEWEST) -r .ci/megatron-newest.txt
 	touch $@
