@@ -387,6 +387,79 @@ def test_megatron_entry_points_with_and_without_patch(seed, megatron_meta):
     assert got[3:] == expected[3:]
 
 
+def build_ddp(params, *, dp, expert_dp, config, disable_bucketing=False):
+    """megatron's own DistributedDataParallel around a module holding `params`, process groups faked."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    module = torch.nn.Module()
+    module.weights = torch.nn.ParameterList(params)
+    pg = ProcessGroupCollection()
+    pg.dp, pg.expt_dp = FakeGroup(dp), FakeGroup(expert_dp)
+    pg.dp_cp, pg.tp, pg.pp, pg.ep = pg.dp, FakeGroup(1), FakeGroup(1), FakeGroup(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation notices of TransformerConfig's defaults
+        transformer = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    return DistributedDataParallel(transformer, config, module, disable_bucketing=disable_bucketing, pg_collection=pg)
+
+
+def describe_ddp(ddp):
+    where = {id(bucket): (kind, i, j) for kind, buffers in (("dense", ddp.buffers), ("expert", ddp.expert_parallel_buffers))
+             for i, b in enumerate(buffers) for j, bucket in enumerate(b.buckets)}
+    return (
+        full_tuple(ddp.full_param_layout) if ddp.full_param_layout is not None else None,
+        describe_buffers(ddp.buffers), describe_buffers(ddp.expert_parallel_buffers),
+        [[where[id(b)] for b in g.buckets] for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups],
+        describe_ranges(ddp.buffers + ddp.expert_parallel_buffers) if ddp.ddp_config.use_distributed_optimizer else None,
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_megatron_ddp_with_and_without_patch(seed, megatron_meta):
+    """DistributedDataParallel.__init__ itself (grouping, compute_full_param_layout or the default
+    layout, buffers, partition_buckets), then the optimizer's range builders, patched and not."""
+    rng = random.Random(4000 + seed)
+    dp, expert_dp = rng.choice([1, 2, 3, 8, 64]), rng.choice([1, 2, 8])
+    distopt = seed % 3 != 2
+    config_kwargs = dict(use_distributed_optimizer=distopt, overlap_grad_reduce=True,
+                         bucket_size=rng.choice([None, rng.randint(1000, 50_000), 10**6]),
+                         grad_reduce_in_fp32=rng.random() < 0.5,
+                         pad_buckets_for_high_nccl_busbw=distopt and rng.random() < 0.3,
+                         reduce_scatter_with_fp32_accumulation=distopt and seed % 2 == 1)
+    model_seed = rng.random()
+    disable_bucketing = seed == 4
+
+    def run():
+        # fresh params and config each time: DDP re-points param.data and edits its config
+        params = random_model(random.Random(model_seed), 40, fp8=False)
+        ddp = build_ddp(params, dp=dp, expert_dp=expert_dp, config=DistributedDataParallelConfig(**config_kwargs),
+                        disable_bucketing=disable_bucketing)
+        index_of = {id(p): i for i, p in enumerate(params)}
+
+        def by_index(value):  # params appear by id(): name them by model position instead
+            if isinstance(value, (list, tuple)):
+                return type(value)(by_index(v) for v in value)
+            return ("param", index_of[value]) if isinstance(value, int) and value in index_of else value
+
+        return by_index(describe_ddp(ddp))
+
+    calls = []
+    expected = run()
+    assert not calls
+    integration.patch()
+    try:
+        with pytest.MonkeyPatch.context() as spy:
+            plan_layout = buckets.plan_layout
+            spy.setattr(buckets, "plan_layout", lambda *a, **k: calls.append(1) or plan_layout(*a, **k))
+            got = run()
+    finally:
+        integration.unpatch()
+    assert calls, "the patched DDP did not reach trainfast"
+    assert got == expected
+    assert "('param', 0)" in repr(got[1] + got[2])
+
+
 def test_megatron_default_layout_buffer_with_and_without_patch(megatron_meta):
     """DDP without the distributed optimizer: _ParamAndGradBuffer computes the default layout itself."""
     rng = random.Random(7)
