@@ -264,6 +264,7 @@ def newest_rows(r: dict) -> list[str]:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
+    load = os.getloadavg()[0]
     if os.environ.get(CHILD_ENV):
         newest_child_main(args.quick)
         return
@@ -320,7 +321,8 @@ def main() -> None:
         f"{spec.name}: {len(spec.numels):,} params ({sum(spec.numels) / 1e9:.0f}B elements) in a dense and an "
         f"expert buffer, dp={dp}, bucket_size={bucket_size:,} (Megatron's default): {num_buckets:,} buckets, "
         f"{num_rows:,} (rank, bucket, param) shard-range rows. Results are checked identical. Wall-clock "
-        "medians; on a small shared machine they vary between runs by up to ~2x.",
+        "medians; on a small shared machine they vary between runs by up to ~2x (load average "
+        f"{load:.1f} on {os.cpu_count()} cores when this run started).",
         "",
         "Python oracle (tests/reference/buckets.py) vs trainfast native:",
         "",

@@ -133,11 +133,9 @@ def _per_buffer_layout(original):
 def _full_layout(original):
     from trainfast.buckets import compute_full_param_layout
 
+    # Params of the layer-wise optimizer get their own BufferKey and the same layout, as upstream here
+    # (LayerWiseDistributedOptimizer.compute_full_param_layout, its own layout, is not swapped).
     def replacement(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None):
-        params = list(params)
-        # Layer-wise-optimizer buffers get upstream's own layout (not reproduced here).
-        if any(getattr(p, "is_managed_by_layer_wise_optimizer", False) for p in params):
-            return original(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size)
         return compute_full_param_layout(
             params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size
         )
