@@ -348,7 +348,8 @@ def partition_bucket_indices(
         is_uint8: bool `[num_buffers]`, true for the (at most one) fp8/quantized buffer.
         num_buckets: int `[num_buffers]`, buckets in each buffer.
         force_single_bucket_group: one group of every bucket.
-        reduce_scatter_with_fp32_accumulation: every bucket in its own group.
+        reduce_scatter_with_fp32_accumulation: every bucket in its own group; with an fp8 buffer its
+            buckets come first, then the others (none at all if the fp8 buffer has no bucket).
 
     Without fp8 every bucket is its own group (buffer order, then bucket order); with one fp8 buffer
     each fp8 bucket is its own group except the last, which also takes every non-fp8 bucket.
