@@ -3,6 +3,9 @@ groups and every rank's shard ranges. Python oracle and real megatron-core vs tr
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
 import types
@@ -105,8 +108,166 @@ def time_range_calls(distopt, buffer, dp, samples):
     return calls[len(calls) // 2]
 
 
+# --- the newest megatron-core (0.17+), timed in a child process ------------------------------------------
+# Its package cannot share a process with the venv's pinned release: the parent re-runs this file with
+# the side install (`make megatron-newest`, $TRAINFAST_MEGATRON_NEWEST) first on PYTHONPATH.
+CHILD_ENV = "TRAINFAST_BENCH_BUCKETS_NEWEST_CHILD"
+
+
+def newest_megatron_dir() -> str:
+    default = Path(__file__).resolve().parents[1] / ".venv" / "megatron-newest"
+    return os.environ.get("TRAINFAST_MEGATRON_NEWEST") or str(default)
+
+
+def run_newest_child(quick: bool) -> dict | None:
+    env = dict(os.environ)
+    env[CHILD_ENV] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [newest_megatron_dir(), env.get("PYTHONPATH", "")]))
+    env.setdefault("RANK", "0")  # megatron's rank-0 logging warns without torch.distributed
+    command = [sys.executable, "-W", "ignore", __file__] + (["--quick"] if quick else [])
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:]
+        print(f"newest megatron-core not measured ({newest_megatron_dir()}): {tail}")
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def newest_child_main(quick: bool) -> None:
+    """Times the newest megatron-core's layout entry points on the same model; prints one JSON line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        from megatron.core import package_info
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+        from megatron.core.optimizer import param_layout  # noqa: F401  (only in 0.17+)
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from trainfast.integrations import megatron as integration
+
+    torch.cuda.current_device = lambda: "meta"
+    pgb.log_on_each_pipeline_stage = lambda *args, **kwargs: None
+    dp = 64 if quick else 256
+    spec = deepseek_v3_spec(num_layers=8 if quick else 61)
+    bucket_size = buckets.default_bucket_size(dp)
+    repeats = 3 if quick else 5
+    params = []
+    for numel, shared, expert in zip(spec.numels, spec.shared_embedding, spec.expert):
+        p = torch.nn.Parameter(torch.empty(numel, dtype=torch.bfloat16, device="meta"))
+        if shared:
+            p.shared_embedding = True
+        if expert:
+            p.allreduce = False
+        params.append(p)
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    full_layout = DistributedOptimizer.compute_full_param_layout
+    upstream_full, t_full = timeit(lambda: full_layout(params, bucket_size, dp, config, dp), repeats=repeats)
+    _, t_group = timeit(lambda: pgb.group_params_for_buffers(params, False), repeats=repeats)
+    # the native array API on the same buffers
+    buffers = {name: (np.asarray([spec.numels[i] for i in idx], dtype=np.int64),
+                      np.asarray([spec.shared_embedding[i] for i in idx], dtype=bool))
+               for name, idx in spec.buffers().items()}
+    layouts, t_native_layout = timeit(lambda: {n: buckets.plan_layout(a, shared_embedding=s, bucket_size=bucket_size,
+                                                                      data_parallel_world_size=dp)
+                                               for n, (a, s) in buffers.items()}, repeats=repeats)
+    for layout, (key, upstream) in zip(layouts.values(), upstream_full.layouts.items()):
+        plist = [p for p in params if (not getattr(p, "allreduce", True)) == key.is_expert_parallel]
+        assert [tuple(b) for b in layout.bucket_indices.tolist()] == upstream.bucket_indices
+        assert layout.param_start.tolist() == [upstream.param_index_map[p][0] for p in plist]
+    _, t_native_groups = timeit(lambda: {n: buckets.partition_bucket_indices([False], [lay.num_buckets])
+                                         for n, lay in layouts.items()}, repeats=repeats)
+    _, t_native_ranges = timeit(lambda: {n: buckets.shard_ranges(lay, dp) for n, lay in layouts.items()},
+                                repeats=repeats)
+
+    # megatron's buffers (meta device) built from that layout, for partition_buckets and the range builder
+    grouped = pgb.group_params_for_buffers(params, False)
+    built = []
+    names = {p: f"p{i}" for i, p in enumerate(params)}
+    group = FakeGroup(dp)
+    pg = types.SimpleNamespace(tp=FakeGroup(1), dp_cp=group)
+    for key, (plist, indices) in grouped.items():
+        built.append(pgb._ParamAndGradBuffer(config, key.param_dtype, key.grad_dtype, [(p, names[p]) for p in plist],
+                                             group, bucket_size, names, 1.0, indices, False, pg_collection=pg,
+                                             param_layout=upstream_full.layouts[key]))
+    _, t_partition = timeit(lambda: [pgb.partition_buckets([b]) for b in built], repeats=repeats)
+    samples = 3 if quick else 9
+    calls = [len(b.buckets) * dp for b in built]
+    per_call = [time_range_calls(DistributedOptimizer, b, dp, samples) for b in built]
+    t_ranges = sum(c * t for c, t in zip(calls, per_call))
+    for b in built:
+        b.data_parallel_group = group
+
+    integration.patch()
+    try:
+        patched_full, t_full_patched = timeit(lambda: full_layout(params, bucket_size, dp, config, dp),
+                                              repeats=repeats)
+        assert type(patched_full) is type(upstream_full)
+        for (key_a, a), (key_b, b) in zip(patched_full.layouts.items(), upstream_full.layouts.items()):
+            assert key_a == key_b and a.bucket_indices == b.bucket_indices
+            assert list(a.param_index_map.items()) == list(b.param_index_map.items())
+            assert a.param_indices == b.param_indices and a.num_optimizer_shards == b.num_optimizer_shards
+        _, t_group_patched = timeit(lambda: pgb.group_params_for_buffers(params, False), repeats=repeats)
+        _, t_partition_patched = timeit(lambda: [pgb.partition_buckets([b]) for b in built], repeats=repeats)
+        per_call_patched = [time_range_calls(DistributedOptimizer, b, dp, samples * 4) for b in built]
+    finally:
+        integration.unpatch()
+    t_ranges_patched = sum(c * t for c, t in zip(calls, per_call_patched))
+    print(json.dumps({
+        "version": package_info.__version__, "calls": sum(calls), "samples": samples,
+        "full": t_full, "group": t_group, "partition": t_partition, "ranges": t_ranges,
+        "native_layout": t_native_layout, "native_groups": t_native_groups, "native_ranges": t_native_ranges,
+        "full_patched": t_full_patched, "group_patched": t_group_patched,
+        "partition_patched": t_partition_patched, "ranges_patched": t_ranges_patched,
+    }))
+
+
+def newest_rows(r: dict) -> list[str]:
+    version = r["version"]
+    native_total = r["native_layout"] + r["native_groups"] + r["native_ranges"]
+    total = r["full"] + r["partition"] + r["ranges"]
+    rows = [
+        ["buffer layouts: `DistributedOptimizer.compute_full_param_layout` (grouping + both buffers)",
+         fmt_seconds(r["full"]), fmt_seconds(r["native_layout"]), f"{r['full'] / r['native_layout']:,.0f}x"],
+        ["bucket groups: `partition_buckets` (builds group objects)", fmt_seconds(r["partition"]),
+         fmt_seconds(r["native_groups"]), f"{r['partition'] / r['native_groups']:,.0f}x"],
+        [f"shard ranges: `_build_model_gbuf_range` x {r['calls']:,} (rank, bucket) calls*",
+         f"~{fmt_seconds(r['ranges'])}", fmt_seconds(r["native_ranges"]), f"~{r['ranges'] / r['native_ranges']:,.0f}x"],
+        ["**total**", f"**~{fmt_seconds(total)}**", f"**{fmt_seconds(native_total)}**",
+         f"**~{total / native_total:,.0f}x**"],
+    ]
+    patched = [
+        ["`DistributedOptimizer.compute_full_param_layout` (returns megatron's dataclasses)",
+         fmt_seconds(r["full"]), fmt_seconds(r["full_patched"]), f"{r['full'] / r['full_patched']:,.1f}x"],
+        ["`group_params_for_buffers`", fmt_seconds(r["group"]), fmt_seconds(r["group_patched"]),
+         f"{r['group'] / r['group_patched']:,.1f}x"],
+        ["`_build_model_gbuf_range`, per (rank, bucket) call", fmt_seconds(r["ranges"] / r["calls"]),
+         fmt_seconds(r["ranges_patched"] / r["calls"]), f"{r['ranges'] / r['ranges_patched']:,.0f}x"],
+        ["`partition_buckets` (dense + expert)", fmt_seconds(r["partition"]), fmt_seconds(r["partition_patched"]),
+         f"{r['partition'] / r['partition_patched']:,.1f}x"],
+    ]
+    return [
+        "",
+        f"The newest megatron-core ({version}, separate layout functions; run in a child process from the side "
+        "install of `make megatron-newest`) vs trainfast native (array API):",
+        "",
+        markdown_table(["step", f"megatron-core {version}", "trainfast", "speedup"], rows),
+        "",
+        f"\\* as above: median of {r['samples']} sampled calls per buffer times {r['calls']:,} calls.",
+        "",
+        f"Inside megatron-core {version} with `trainfast.integrations.megatron.patch()` (same objects, checked "
+        "identical in tests/megatron_newest_buckets.py):",
+        "",
+        markdown_table(["entry point", "upstream", "patched", "speedup"], patched),
+    ]
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
+    load = os.getloadavg()[0]
+    if os.environ.get(CHILD_ENV):
+        newest_child_main(args.quick)
+        return
     dp = 64 if args.quick else 256
     spec = deepseek_v3_spec(num_layers=8 if args.quick else 61)
     bucket_size = buckets.default_bucket_size(dp)
@@ -160,7 +321,8 @@ def main() -> None:
         f"{spec.name}: {len(spec.numels):,} params ({sum(spec.numels) / 1e9:.0f}B elements) in a dense and an "
         f"expert buffer, dp={dp}, bucket_size={bucket_size:,} (Megatron's default): {num_buckets:,} buckets, "
         f"{num_rows:,} (rank, bucket, param) shard-range rows. Results are checked identical. Wall-clock "
-        "medians; on a small shared machine they vary between runs by up to ~2x.",
+        "medians; on a small shared machine they vary between runs by up to ~2x (load average "
+        f"{load:.1f} on {os.cpu_count()} cores when this run started).",
         "",
         "Python oracle (tests/reference/buckets.py) vs trainfast native:",
         "",
@@ -227,6 +389,10 @@ def main() -> None:
             "",
             markdown_table(["entry point", "upstream", "patched", "speedup"], patched_rows),
         ]
+    newest = run_newest_child(args.quick)
+    if newest is not None:
+        print(f"megatron-core {newest['version']}: {json.dumps(newest)}")
+        body += newest_rows(newest)
     text = "\n".join(body)
     print(text)
     if args.write_readme:

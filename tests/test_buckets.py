@@ -249,7 +249,7 @@ def test_per_buffer_and_full_layout_dropins(seed, monkeypatch):
     assert list(layout.param_index_map) == params[::-1]
     assert [layout.param_index_map[p] for p in params] == list(zip(starts, ends, ids))
     assert layout.bucket_indices == bucket_indices and layout.per_bucket_numel_unpadded == unpadded
-    assert layout.param_indices == list(range(60)) and layout.num_optimizer_shards is None
+    assert layout.param_indices == list(range(60)) and layout.num_optimizer_shards == 8
 
     default = buckets.compute_default_per_buffer_param_layout(params, 20000)
     d_starts, d_ends, d_ids, d_buckets, _ = ref.layout([p.numel() for p in params], None, 20000, 1, distopt=False)
@@ -407,7 +407,9 @@ def test_megatron_partition_buckets_with_and_without_patch(megatron_cpu):
         megatron.unpatch()
     assert got == expected
     with pytest.raises(AssertionError):
-        buckets.partition_buckets([buf_a, buf_a])
+        buckets.partition_buckets([buf_a, buf_a], require_distinct_param_dtypes=True)
+    with pytest.raises(AssertionError, match="uint8"):
+        buckets.partition_buckets([buf_b, buf_a, buf_b])
 
 
 def test_patch_is_reversible():
@@ -641,3 +643,61 @@ def test_many_python_threads_get_the_same_ranges():
     for t in threads:
         t.join()
     assert all(r == want for r in results)
+
+
+# --- the newest megatron-core, in a subprocess ------------------------------------------------------------
+
+
+def megatron_newest_dir():
+    """Where `make megatron-newest` put the newest megatron-core ($TRAINFAST_MEGATRON_NEWEST, which
+    may list several directories like PYTHONPATH; default .venv/megatron-newest)."""
+    import os
+    from pathlib import Path
+
+    default = Path(__file__).resolve().parents[1] / ".venv" / "megatron-newest"
+    return os.environ.get("TRAINFAST_MEGATRON_NEWEST") or str(default)
+
+
+@pytest.mark.slow
+def test_against_the_newest_megatron_core():
+    """tests/megatron_newest_buckets.py against the real newest megatron-core (its layout functions,
+    range builders, partition_buckets and the patch), run in a child with that release first on
+    PYTHONPATH. CI installs it (`make test` does): missing there is a failure, not a skip."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    side = megatron_newest_dir()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [side, str(root), env.get("PYTHONPATH", "")]))
+    probe = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", "import megatron.core.optimizer.param_layout"],
+        env=env, capture_output=True, text=True, cwd=root,
+    )
+    if probe.returncode != 0:
+        reason = (f"the newest megatron-core is not importable from {side} (run `make megatron-newest`): "
+                  f"{probe.stderr.strip().splitlines()[-1:] or probe.stdout}")
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/megatron_newest_buckets.py", "-q", "-p", "no:cacheprovider"],
+        env=env, capture_output=True, text=True, cwd=root,
+    )
+    assert result.returncode == 0, f"{result.stdout[-20000:]}\n{result.stderr[-5000:]}"
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+def test_materialize_is_device_generic():
+    """materialize allocates on the device it is given (CUDA in training; meta here, as no GPU is on
+    CI): buffers and views land there, laid out as on CPU."""
+    params = [torch.nn.Parameter(torch.zeros(3, 5)), torch.nn.Parameter(torch.zeros(7))]
+    layout = buckets.plan_layout([15, 7], data_parallel_world_size=2)
+    cpu = buckets.materialize(layout, params, param_dtype=torch.bfloat16)
+    meta = buckets.materialize(layout, params, param_dtype=torch.bfloat16, device=torch.device("meta"))
+    assert meta.grad_data.device.type == "meta" and meta.param_data.device.type == "meta"
+    assert meta.grad_data.shape == cpu.grad_data.shape and meta.param_data.dtype == torch.bfloat16
+    for a, b in zip(meta.grad_views + meta.param_views, cpu.grad_views + cpu.param_views):
+        assert a.device.type == "meta" and a.shape == b.shape and a.storage_offset() == b.storage_offset()

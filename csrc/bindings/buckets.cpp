@@ -80,16 +80,6 @@ py::tuple partition(const CArray<uint8_t>& is_uint8, const CArray<int64_t>& num_
                         to_numpy(std::move(groups.members), {members, 2}));
 }
 
-py::tuple group_params(const CArray<int64_t>& storage_code, const CArray<int64_t>& fake_code,
-                       const CArray<int64_t>& grad_code, const CArray<uint8_t>& is_expert,
-                       const CArray<int64_t>& extra_code) {
-  auto groups = buckets::group_params(span_1d(storage_code, "storage_code"), span_1d(fake_code, "fake_code"),
-                                      span_1d(grad_code, "grad_code"), span_1d(is_expert, "is_expert"),
-                                      span_1d(extra_code, "extra_code"));
-  return py::make_tuple(to_numpy(std::move(groups.buffer_of_param)), to_numpy(std::move(groups.param_indices)),
-                        to_numpy(std::move(groups.key_of_buffer)));
-}
-
 int64_t as_int64(PyObject* value, const char* what) {
   int overflow = 0;
   const long long out = PyLong_AsLongLongAndOverflow(value, &overflow);
@@ -159,9 +149,6 @@ void register_buckets(py::module_& m) {
   m.def("buckets_partition", &partition, py::arg("is_uint8").noconvert(), py::arg("num_buckets").noconvert(),
         py::arg("force_single_bucket_group"), py::arg("reduce_scatter_with_fp32_accumulation"),
         "Returns (group_offsets[G+1], members[M,2] of (buffer, bucket)).");
-  m.def("buckets_group_params", &group_params, py::arg("storage_code").noconvert(),
-        py::arg("fake_code").noconvert(), py::arg("grad_code").noconvert(), py::arg("is_expert").noconvert(),
-        py::arg("extra_code").noconvert(), "Returns (buffer_of_param, param_indices, key_of_buffer).");
   m.def("buckets_param_range_map", &param_range_map, py::arg("param_world_index_map"), py::arg("world_start"),
         py::arg("world_end"), py::arg("bucket_offset"), py::arg("range_type"),
         "Megatron's _build_model_gbuf_param_range_map: {param: {name: Range}} for owned params.");

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <map>
 #include <numeric>
 #include <string>
 
@@ -244,7 +243,7 @@ BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<cons
     TF_CHECK_ARG(num_buckets[b] >= 0, "num_buckets", num_buckets[b], "must be non-negative");
     if (is_uint8[b]) {
       TF_CHECK_ARG(uint8_buffer < 0, "is_uint8", "two uint8 buffers",
-                   "must mark at most one buffer (Megatron asserts distinct param dtypes)");
+                   "must mark at most one buffer (Megatron asserts a single uint8 buffer)");
       uint8_buffer = b;
     }
   }
@@ -260,12 +259,29 @@ BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<cons
     for (int64_t b = 0; b < num_buffers; ++b)
       for (int64_t j = 0; j < num_buckets[b]; ++j) add(b, j);
     close_group();
-  } else if (reduce_scatter_with_fp32_accumulation || uint8_buffer < 0) {
+  } else if (uint8_buffer < 0) {
     for (int64_t b = 0; b < num_buffers; ++b)
       for (int64_t j = 0; j < num_buckets[b]; ++j) {
         add(b, j);
         close_group();
       }
+  } else if (reduce_scatter_with_fp32_accumulation) {
+    // Every bucket alone, but in upstream's fp8-first order: the fp8 buckets, then (after the last
+    // fp8 one; never without one) every non-fp8 bucket in buffer order.
+    const int64_t count = num_buckets[uint8_buffer];
+    for (int64_t j = 0; j < count; ++j) {
+      add(uint8_buffer, j);
+      close_group();
+    }
+    if (count > 0) {
+      for (int64_t b = 0; b < num_buffers; ++b) {
+        if (b == uint8_buffer) continue;
+        for (int64_t k = 0; k < num_buckets[b]; ++k) {
+          add(b, k);
+          close_group();
+        }
+      }
+    }
   } else {
     // fp8 buckets each alone; the last one also takes every non-fp8 bucket (they fill late).
     const int64_t count = num_buckets[uint8_buffer];
@@ -279,31 +295,6 @@ BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<cons
       }
       close_group();
     }
-  }
-  return out;
-}
-
-BufferGroups group_params(std::span<const int64_t> storage_code, std::span<const int64_t> fake_code,
-                          std::span<const int64_t> grad_code, std::span<const uint8_t> is_expert,
-                          std::span<const int64_t> extra_code) {
-  const size_t n = storage_code.size();
-  TF_CHECK_ARG(fake_code.size() == n && grad_code.size() == n && is_expert.size() == n &&
-                   extra_code.size() == n,
-               "params", "arrays of different lengths", "must give one code per param");
-  using Key = std::array<int64_t, 4>;
-  std::map<Key, int64_t> buffer_of_key;
-  std::map<Key, int64_t> counter;
-  BufferGroups out;
-  out.buffer_of_param.resize(n);
-  out.param_indices.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t expert = is_expert[i] ? 1 : 0;
-    const Key key{storage_code[i], grad_code[i], expert, extra_code[i]};
-    auto [it, inserted] = buffer_of_key.try_emplace(key, static_cast<int64_t>(out.key_of_buffer.size()));
-    if (inserted) out.key_of_buffer.push_back(static_cast<int64_t>(i));
-    out.buffer_of_param[i] = it->second;
-    int64_t& next = counter[Key{fake_code[i], grad_code[i], expert, extra_code[i]}];
-    out.param_indices[i] = next++;
   }
   return out;
 }

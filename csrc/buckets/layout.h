@@ -74,16 +74,4 @@ BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<cons
                                bool force_single_bucket_group,
                                bool reduce_scatter_with_fp32_accumulation);
 
-struct BufferGroups {
-  std::vector<int64_t> buffer_of_param;  // [num_params] buffer index (first-seen key order)
-  std::vector<int64_t> param_indices;    // [num_params] index among same fake-dtype key params
-  std::vector<int64_t> key_of_buffer;    // [num_buffers] index of the first param of each buffer
-};
-
-// group_params_for_buffers on integer codes: a param's buffer key is (storage_code, grad_code,
-// expert, extra); its param_indices counter key is (fake_code, grad_code, expert, extra).
-BufferGroups group_params(std::span<const int64_t> storage_code, std::span<const int64_t> fake_code,
-                          std::span<const int64_t> grad_code, std::span<const uint8_t> is_expert,
-                          std::span<const int64_t> extra_code);
-
 }  // namespace trainfast::buckets

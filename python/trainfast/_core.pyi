@@ -43,9 +43,6 @@ def buckets_partition(
     is_uint8: npt.NDArray[np.uint8], num_buckets: _I64, force_single_bucket_group: bool,
     reduce_scatter_with_fp32_accumulation: bool,
 ) -> tuple[_I64, _I64]: ...
-def buckets_group_params(
-    storage_code: _I64, fake_code: _I64, grad_code: _I64, is_expert: npt.NDArray[np.uint8], extra_code: _I64
-) -> tuple[_I64, _I64, _I64]: ...
 def buckets_param_range_map(
     param_world_index_map: dict[Any, Any], world_start: int, world_end: int, bucket_offset: int, range_type: Any
 ) -> dict[Any, dict[str, Any]]: ...

@@ -348,7 +348,8 @@ def partition_bucket_indices(
         is_uint8: bool `[num_buffers]`, true for the (at most one) fp8/quantized buffer.
         num_buckets: int `[num_buffers]`, buckets in each buffer.
         force_single_bucket_group: one group of every bucket.
-        reduce_scatter_with_fp32_accumulation: every bucket in its own group.
+        reduce_scatter_with_fp32_accumulation: every bucket in its own group; with an fp8 buffer its
+            buckets come first, then the others (none at all if the fp8 buffer has no bucket).
 
     Without fp8 every bucket is its own group (buffer order, then bucket order); with one fp8 buffer
     each fp8 bucket is its own group except the last, which also takes every non-fp8 bucket.
@@ -369,24 +370,35 @@ def partition_bucket_indices(
 
 
 def _quantized_predicates() -> list:
+    """Upstream's "stored as uint8" test: newer megatron-core has one function for it (fp8, nvfp4
+    and grouped quantized tensors); older releases check fp8 and nvfp4 separately."""
     predicates = []
     import importlib.util
 
     if importlib.util.find_spec("megatron") is None:
         return predicates
-    try:
-        from megatron.core import fp8_utils
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron's import-time notices (no TE/Apex, ...)
+        try:
+            from megatron.core.distributed import param_and_grad_buffer as pgb
 
-        predicates.append(fp8_utils.is_float8tensor)
-    except ImportError:
-        pass
-    try:
-        from megatron.core import fp4_utils
+            if hasattr(pgb, "_param_uses_quantized_storage"):
+                return [pgb._param_uses_quantized_storage]
+        except ImportError:
+            pass
+        try:
+            from megatron.core import fp8_utils
 
-        if hasattr(fp4_utils, "is_nvfp4tensor"):
-            predicates.append(fp4_utils.is_nvfp4tensor)
-    except ImportError:
-        pass
+            predicates.append(fp8_utils.is_float8tensor)
+        except ImportError:
+            pass
+        try:
+            from megatron.core import fp4_utils
+
+            if hasattr(fp4_utils, "is_nvfp4tensor"):
+                predicates.append(fp4_utils.is_nvfp4tensor)
+        except ImportError:
+            pass
     return predicates
 
 
@@ -401,9 +413,23 @@ def _param_list(params: Any) -> list:
     return list(params)
 
 
+def _numel_reader() -> Any:
+    """Upstream reads ``param.data.nelement()``; a plain Parameter's ``.data`` has its size, and
+    skipping that alias (a new tensor object per call) is 4x cheaper."""
+    import torch
+
+    parameter_type = torch.nn.Parameter
+
+    def numel(param: Any) -> int:
+        return param.nelement() if type(param) is parameter_type else param.data.nelement()
+
+    return numel
+
+
 def _numels(params: list) -> np.ndarray:
+    numel = _numel_reader()
     try:
-        return np.fromiter((p.data.nelement() for p in params), dtype=np.int64, count=len(params))
+        return np.fromiter((numel(p) for p in params), dtype=np.int64, count=len(params))
     except AttributeError as error:
         raise TypeError(f"params must be torch parameters/tensors ({error})") from None
 
@@ -416,62 +442,66 @@ def group_params_for_buffers(params: Any, grad_reduce_in_fp32: bool) -> dict:
     else the param's dtype), ``is_expert_parallel = not param.allreduce``, and the layer-wise-optimizer
     flag; ``param_indices`` count params under the *fake* (high-precision) dtype.
     """
+    return {key: entry[:2] for key, entry in _group_params(_param_list(params), grad_reduce_in_fp32, False).items()}
+
+
+def _group_params(param_list: list, grad_reduce_in_fp32: bool, layout_inputs: bool) -> dict:
+    """{BufferKey: (params, param_indices[, numels, shared_embedding flags])} in one pass."""
     import torch
 
-    param_list = _param_list(params)
     predicates = _quantized_predicates()
-    codes: dict = {}
-    n = len(param_list)
-    storage = np.empty(n, dtype=np.int64)
-    fake = np.empty(n, dtype=np.int64)
-    grad = np.empty(n, dtype=np.int64)
-    expert = np.empty(n, dtype=np.uint8)
-    extra = np.empty(n, dtype=np.int64)
-    fp32 = torch.float
+    quantized = predicates[0] if len(predicates) == 1 else (lambda p: any(pred(p) for pred in predicates))
+    numel = _numel_reader()
+    uint8, fp32 = torch.uint8, torch.float
+    # A group-by on attributes read once per param: plain tuples as keys (upstream hashes two frozen
+    # dataclasses per param), megatron's BufferKey built once per buffer.
+    members: dict = {}
+    counters: dict = {}
     for i, param in enumerate(param_list):
-        if not param.requires_grad:
-            raise UpstreamAssertionError(f"params[{i}] does not require grad (Megatron asserts requires_grad)")
-        dtype = param.dtype
-        storage_dtype = torch.uint8 if any(pred(param) for pred in predicates) else dtype
+        try:
+            if not param.requires_grad:
+                raise UpstreamAssertionError(f"params[{i}] does not require grad (Megatron asserts requires_grad)")
+            dtype = param.dtype
+        except AttributeError:
+            raise TypeError(f"params[{i}] must be a torch parameter (got {type(param).__name__})") from None
         grad_dtype = fp32 if grad_reduce_in_fp32 else dtype
-        storage[i] = codes.setdefault(storage_dtype, len(codes))
-        fake[i] = codes.setdefault(dtype, len(codes))
-        grad[i] = codes.setdefault(grad_dtype, len(codes))
-        expert[i] = not getattr(param, "allreduce", True)
-        extra[i] = bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
-    buffer_of_param, param_indices, first_param = _core.buckets_group_params(storage, fake, grad, expert, extra)
-    dtypes = {code: dtype for dtype, code in codes.items()}
-    result: dict = {}
-    keys = []
-    for first in first_param.tolist():
-        key = _make_key(dtypes[int(storage[first])], dtypes[int(grad[first])], bool(expert[first]), bool(extra[first]))
-        keys.append(key)
-        result[key] = ([], [])
-    for param, buffer, index in zip(param_list, buffer_of_param.tolist(), param_indices.tolist()):
-        entry = result[keys[buffer]]
+        is_expert = not getattr(param, "allreduce", True)
+        layer_wise = getattr(param, "is_managed_by_layer_wise_optimizer", False)
+        key = (uint8 if quantized(param) else dtype, grad_dtype, is_expert, layer_wise)
+        entry = members.get(key)
+        if entry is None:
+            entry = members[key] = ([], [], [], [])
         entry[0].append(param)
+        # param_indices count under the fake (high-precision) dtype
+        fake_key = (dtype, grad_dtype, is_expert, layer_wise)
+        index = counters.get(fake_key, 0)
+        counters[fake_key] = index + 1
         entry[1].append(index)
-    return result
+        if layout_inputs:
+            entry[2].append(numel(param))
+            entry[3].append(bool(getattr(param, "shared_embedding", False)))
+    return {_make_key(*key): entry for key, entry in members.items()}
 
 
-def _make_key(param_dtype: Any, grad_dtype: Any, is_expert: bool, layer_wise: bool) -> Any:
+def _make_key(param_dtype: Any, grad_dtype: Any, is_expert: bool, layer_wise: Any) -> Any:
     key_type = _dataclasses()[0]
     if layer_wise or "is_managed_by_layer_wise_optimizer" in getattr(key_type, "__dataclass_fields__", {}):
         return key_type(param_dtype, grad_dtype, is_expert, layer_wise)
     return key_type(param_dtype, grad_dtype, is_expert)
 
 
-def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any) -> Any:
+def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any, num_optimizer_shards: Any = None) -> Any:
     # Megatron's dict iterates in layout (reverse model) order.
     starts = layout.param_start.tolist()
     ends = layout.param_end.tolist()
     ids = layout.bucket_id.tolist()
-    index_map = {params[i]: (starts[i], ends[i], ids[i]) for i in range(len(params) - 1, -1, -1)}
+    index_map = dict(zip(reversed(params), zip(reversed(starts), reversed(ends), reversed(ids))))
     return _dataclasses()[1](
         param_index_map=index_map,
         bucket_indices=[tuple(pair) for pair in layout.bucket_indices.tolist()],
         per_bucket_numel_unpadded=layout.per_bucket_numel_unpadded.tolist(),
         param_indices=list(param_indices) if param_indices is not None else [],
+        num_optimizer_shards=num_optimizer_shards,
     )
 
 
@@ -496,15 +526,22 @@ def compute_per_buffer_param_layout(
     shared = np.fromiter(
         (bool(getattr(p, "shared_embedding", False)) for p in param_list), dtype=np.uint8, count=len(param_list)
     )
+    return _distopt_layout(param_list, _numels(param_list), shared, bucket_size, data_parallel_world_size,
+                           ddp_config, param_indices)
+
+
+def _distopt_layout(param_list: list, numels: Any, shared: Any, bucket_size: Any, data_parallel_world_size: int,
+                    ddp_config: Any, param_indices: Any) -> Any:
     layout = plan_layout(
-        _numels(param_list),
+        numels,
         shared_embedding=shared,
         bucket_size=bucket_size,
         data_parallel_world_size=data_parallel_world_size,
         use_distributed_optimizer=True,
         pad_buckets_for_high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
     )
-    return _to_per_buffer_layout(param_list, layout, param_indices)
+    # Upstream records the shard count so the range builders can check the group matches.
+    return _to_per_buffer_layout(param_list, layout, param_indices, layout.data_parallel_world_size)
 
 
 def compute_full_param_layout(
@@ -520,30 +557,49 @@ def compute_full_param_layout(
     expert_dp = dp if expert_data_parallel_world_size is None else check_int(
         expert_data_parallel_world_size, "expert_data_parallel_world_size", min_value=1
     )
-    grouped = group_params_for_buffers(params, bool(getattr(ddp_config, "grad_reduce_in_fp32", False)))
+    bucket_size = _check_bucket_size(bucket_size)
+    grouped = _group_params(_param_list(params), bool(getattr(ddp_config, "grad_reduce_in_fp32", False)), True)
     layouts = {}
-    for key, (buffer_params, indices) in grouped.items():
+    for key, (buffer_params, indices, numels, shared) in grouped.items():
         world = expert_dp if key.is_expert_parallel else dp
-        layouts[key] = compute_per_buffer_param_layout(buffer_params, bucket_size, world, ddp_config, indices)
+        layouts[key] = _distopt_layout(buffer_params, np.asarray(numels, dtype=np.int64),
+                                       np.asarray(shared, dtype=np.uint8), bucket_size, world, ddp_config, indices)
     return _dataclasses()[2](layouts=layouts)
 
 
-def partition_buckets(buffers: Any, force_single_bucket_group: bool = False) -> list:
+def partition_buckets(
+    buffers: Any,
+    force_single_bucket_group: bool = False,
+    reduce_scatter_with_fp32_accumulation: bool = False,
+    *,
+    require_distinct_param_dtypes: bool = False,
+) -> list:
     """Megatron's ``partition_buckets``: regroups the buckets of ``_ParamAndGradBuffer`` objects into
-    ``_ParamAndGradBucketGroup`` objects (the upstream class), with upstream's checks."""
+    ``_ParamAndGradBucketGroup`` objects (the upstream class), with upstream's checks.
+
+    ``reduce_scatter_with_fp32_accumulation`` (newer megatron-core) puts every bucket in a group of
+    its own, fp8 buckets first. ``require_distinct_param_dtypes`` adds the check of megatron-core
+    <= 0.16 (no two buffers of one param dtype); newer releases only refuse two uint8 buffers.
+    """
     buffer_list = _param_list(buffers)
     if not buffer_list:
         return []
     import torch
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-    seen = set()
-    for buffer in buffer_list:
-        if buffer.param_dtype in seen:
-            raise UpstreamAssertionError(
-                f"buffers must have distinct param dtypes (got {buffer.param_dtype} twice)"
-            )
-        seen.add(buffer.param_dtype)
+    if require_distinct_param_dtypes:
+        seen = set()
+        for buffer in buffer_list:
+            if buffer.param_dtype in seen:
+                raise UpstreamAssertionError(
+                    f"buffers must have distinct param dtypes (got {buffer.param_dtype} twice)"
+                )
+            seen.add(buffer.param_dtype)
+    flags = np.fromiter((b.param_dtype == torch.uint8 for b in buffer_list), dtype=np.uint8, count=len(buffer_list))
+    if int(flags.sum()) > 1:
+        raise UpstreamAssertionError(
+            f"buffers must hold at most one uint8 (fp8) buffer (got {int(flags.sum())})"
+        )
     if force_single_bucket_group:
         first = buffer_list[0]
         for buffer in buffer_list:
@@ -555,18 +611,19 @@ def partition_buckets(buffers: Any, force_single_bucket_group: bool = False) -> 
                 raise UpstreamAssertionError(
                     "force_single_bucket_group needs every buffer to share ddp_config and data-parallel group"
                 )
-    flags = np.fromiter((b.param_dtype == torch.uint8 for b in buffer_list), dtype=np.uint8, count=len(buffer_list))
     counts = np.fromiter((len(b.buckets) for b in buffer_list), dtype=np.int64, count=len(buffer_list))
-    offsets, pairs = _core.buckets_partition(flags, counts, bool(force_single_bucket_group), False)
+    offsets, pairs = _core.buckets_partition(
+        flags, counts, bool(force_single_bucket_group), bool(reduce_scatter_with_fp32_accumulation)
+    )
     offsets, pairs = offsets.tolist(), pairs.tolist()
-    uint8_index = int(np.flatnonzero(flags)[0]) if flags.any() else None
+    has_uint8 = bool(flags.any())
     groups = []
     for g in range(len(offsets) - 1):
         members = pairs[offsets[g]: offsets[g + 1]]
         # Upstream builds each group with the buffer its loop left behind: the first, the last, or its own.
         if force_single_bucket_group:
             owner = buffer_list[0]
-        elif uint8_index is not None:
+        elif has_uint8:
             owner = buffer_list[-1]  # upstream reuses the loop variable left by the non-fp8 scan
         else:
             owner = buffer_list[members[0][0]]
@@ -598,6 +655,12 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
     params' ranges, ``{"param_map": ...}``; computes only this rank's range (upstream builds all)."""
     group = param_and_grad_buffer.data_parallel_group
     rank, world = group.rank(), group.size()
+    shards = getattr(param_and_grad_buffer, "num_optimizer_shards", None)
+    if shards is not None and shards != world:
+        raise UpstreamAssertionError(
+            f"Parameter layout was built for {shards} optimizer shards but the buffer's data-parallel "
+            f"group has {world} ranks"
+        )
     if not 0 <= rank < world:
         raise IndexError(f"data-parallel rank {rank} is outside a group of size {world}")
     bucket = param_and_grad_buffer.buckets[bucket_index]

@@ -87,10 +87,13 @@ def partition(is_uint8, num_buckets, force_single=False, rs_fp32=False):
     every = [(b, j) for b in range(len(num_buckets)) for j in range(num_buckets[b])]
     if force_single:
         return [every]
-    if rs_fp32 or not any(is_uint8):
+    if not any(is_uint8):
         return [[pair] for pair in every]
     fp8 = [bool(x) for x in is_uint8].index(True)
     others = [pair for pair in every if pair[0] != fp8]
+    if rs_fp32:  # each bucket alone, fp8 ones first; the rest follow the last fp8 bucket
+        fp8_pairs = [(fp8, j) for j in range(num_buckets[fp8])]
+        return [[pair] for pair in fp8_pairs + (others if fp8_pairs else [])]
     groups = []
     for j in range(num_buckets[fp8]):
         groups.append([(fp8, j)] + (others if j == num_buckets[fp8] - 1 else []))

@@ -66,16 +66,23 @@ def _partition_buckets(original):
 
     from trainfast import buckets
 
-    # Only the two-argument form whose semantics trainfast reproduces is swapped.
-    if list(inspect.signature(original).parameters) != ["buffers", "force_single_bucket_group"] or (
-        _source_mentions(original, "reduce_scatter_with_fp32_accumulation")
+    names = list(inspect.signature(original).parameters)
+    if names == ["buffers", "force_single_bucket_group", "reduce_scatter_with_fp32_accumulation"]:
+        # megatron-core >= 0.17: only a second uint8 buffer is refused.
+        def replacement(buffers, force_single_bucket_group=False, reduce_scatter_with_fp32_accumulation=False):
+            return buckets.partition_buckets(buffers, force_single_bucket_group, reduce_scatter_with_fp32_accumulation)
+
+        return replacement
+    if names == ["buffers", "force_single_bucket_group"] and not _source_mentions(
+        original, "reduce_scatter_with_fp32_accumulation"
     ):
-        return lambda *args, **kwargs: original(*args, **kwargs)
+        # megatron-core <= 0.16: buffers of one param dtype are refused too.
+        def replacement(buffers, force_single_bucket_group=False):
+            return buckets.partition_buckets(buffers, force_single_bucket_group, require_distinct_param_dtypes=True)
 
-    def replacement(buffers, force_single_bucket_group=False):
-        return buckets.partition_buckets(buffers, force_single_bucket_group)
-
-    return replacement
+        return replacement
+    # A form whose semantics trainfast does not reproduce: keep upstream.
+    return lambda *args, **kwargs: original(*args, **kwargs)
 
 
 def _build_model_gbuf_range(original):
@@ -126,11 +133,9 @@ def _per_buffer_layout(original):
 def _full_layout(original):
     from trainfast.buckets import compute_full_param_layout
 
+    # Params of the layer-wise optimizer get their own BufferKey and the same layout, as upstream here
+    # (LayerWiseDistributedOptimizer.compute_full_param_layout, its own layout, is not swapped).
     def replacement(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None):
-        params = list(params)
-        # Layer-wise-optimizer buffers get upstream's own layout (not reproduced here).
-        if any(getattr(p, "is_managed_by_layer_wise_optimizer", False) for p in params):
-            return original(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size)
         return compute_full_param_layout(
             params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size
         )
@@ -145,7 +150,7 @@ patcher.add(
     _DISTOPT, "DistributedOptimizer._build_model_gbuf_param_range_map", _build_model_gbuf_param_range_map,
     required=False,
 )
-for _module in (_PGB, _DISTOPT, _DDP):
+for _module in (_PGB, _DISTOPT, _DDP, "megatron.core.optimizer.layer_wise_optimizer"):
     patcher.add(_module, "group_params_for_buffers", _group_params_for_buffers, required=False)
 patcher.add(_PGB, "_compute_default_per_buffer_param_layout", _default_layout, required=False)
 patcher.add(_DISTOPT, "DistributedOptimizer._compute_per_buffer_param_layout", _per_buffer_layout, required=False)
