@@ -3,11 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <stdexcept>
 #include <string>
 
 #include "common/check.h"
-#include "common/hash.h"
 
 namespace trainfast::bpe {
 namespace {
@@ -16,66 +14,18 @@ constexpr int32_t kNone = -1;
 
 // One symbol of a word. The words are doubly linked lists laid out one after another in a single
 // array, so merging an occurrence touches only the symbols next to it.
+// A symbol's token is the left token of the pair it starts (the last symbol's is never needed).
 struct Symbol {
-  int32_t token;  // kNone once merged into its left neighbour
-  int32_t prev;   // kNone at the start of the word
-  int32_t next;   // kNone at the end of the word
+  int32_t prev;  // kNone at the start of the word
+  int32_t next;  // kNone at the end of the word
+  int32_t pair;  // index of the pair (token, next token); kNone at the end or once merged away
   int32_t word;
 };
 
-uint64_t pair_key(int32_t left, int32_t right) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
-}
-
-// Open-addressing map from a (left, right) key to a dense pair index; pairs are never erased, so
-// no tombstones are needed.
-class PairIndex {
- public:
-  PairIndex() { reset(1024); }
-
-  int32_t find(uint64_t key) const {
-    for (size_t slot = mix64(key) & mask_;; slot = (slot + 1) & mask_) {
-      if (keys_[slot] == key) return values_[slot];
-      if (keys_[slot] == kEmpty) return kNone;
-    }
-  }
-
-  // `key` must be absent.
-  void insert(uint64_t key, int32_t value) {
-    if ((size_ + 1) * 2 > keys_.size()) grow();
-    place(key, value);
-    ++size_;
-  }
-
- private:
-  static constexpr uint64_t kEmpty = ~uint64_t{0};  // ids are < 2^31, so never a real key
-
-  void reset(size_t capacity) {
-    keys_.assign(capacity, kEmpty);
-    values_.assign(capacity, kNone);
-    mask_ = capacity - 1;
-  }
-
-  void place(uint64_t key, int32_t value) {
-    size_t slot = mix64(key) & mask_;
-    while (keys_[slot] != kEmpty) slot = (slot + 1) & mask_;
-    keys_[slot] = key;
-    values_[slot] = value;
-  }
-
-  void grow() {
-    std::vector<uint64_t> old_keys = std::move(keys_);
-    std::vector<int32_t> old_values = std::move(values_);
-    reset(old_keys.size() * 2);
-    for (size_t i = 0; i < old_keys.size(); ++i) {
-      if (old_keys[i] != kEmpty) place(old_keys[i], old_values[i]);
-    }
-  }
-
-  std::vector<uint64_t> keys_;
-  std::vector<int32_t> values_;
-  size_t mask_ = 0;
-  size_t size_ = 0;
+struct Pair {
+  int64_t count;
+  int32_t left;
+  int32_t right;
 };
 
 struct HeapEntry {
@@ -83,37 +33,41 @@ struct HeapEntry {
   int32_t pair_idx;
 };
 
-// A pair first seen in the current merge (it holds the new token), before it gets a pair index.
-struct NewPair {
-  int32_t left;
-  int32_t right;
-  int64_t count;
-  int64_t num_occurrences;
+struct Occurrence {
+  int32_t pair_idx;
+  int32_t position;  // of the pair's left symbol
 };
 
-struct Occurrence {
-  int32_t new_pair;  // index into the current merge's NewPair list
-  int32_t position;  // of the pair's left symbol
+// A new token's pairs with its neighbours, created once per merge and neighbour token.
+struct NewPairSlots {
+  int32_t left_stamp = kNone;  // merge that made (token, new)
+  int32_t left_pair = kNone;
+  int32_t right_stamp = kNone;  // merge that made (new, token)
+  int32_t right_pair = kNone;
 };
 
 constexpr size_t kPrefetchDistance = 8;
 
 // Merge loop. Every pair keeps the positions of its left symbol in every word where it occurs
-// (ascending, so left-to-right order within a word holds); a position whose symbols have since
-// changed is skipped when visited. A pair only gains occurrences in the merge that creates its
-// newer token, so each pair's position list is written once, contiguously, into one arena.
+// (ascending, so left-to-right order holds within a word); a listed position whose symbol now
+// starts another pair is skipped when visited. A pair only gains occurrences in the merge that
+// creates its newer token, so each pair's position list is written once, contiguously, into one
+// arena. Each symbol knows the pair it starts, so no pair is ever looked up by its tokens.
 class Trainer {
  public:
   explicit Trainer(Interrupt* interrupt) : interrupt_(interrupt) {
     token_bytes_.reserve(256);
     for (int b = 0; b < 256; ++b) token_bytes_.emplace_back(1, static_cast<char>(b));
-    token_state_.resize(256);
+    new_pair_slots_.resize(256);
   }
 
   // word_at(i) gives word i as {data, size, count}.
   template <class WordAt>
   void load(size_t num_words, size_t total_bytes, const WordAt& word_at) {
+    TF_CHECK_ARG(total_bytes < static_cast<size_t>(INT32_MAX), "total bytes of the words", total_bytes,
+                 "must be < 2^31");
     symbols_.reserve(total_bytes);
+    std::vector<int32_t> byte_pair(256 * 256, kNone);  // pair index by left * 256 + right
     int64_t total_weight = 0;  // bounds every pair count for the whole run (pair weight only shrinks)
     for (size_t i = 0; i < num_words; ++i) {
       if ((i & 0xffff) == 0xffff) poll_interrupt();
@@ -124,21 +78,23 @@ class Trainer {
       TF_CHECK_ARG(!__builtin_mul_overflow(count, static_cast<int64_t>(size) - 1, &weight) &&
                        !__builtin_add_overflow(total_weight, weight, &total_weight),
                    "word_counts", count, "sum to more than 2^63-1 pairs");
-      TF_CHECK_ARG(symbols_.size() + size < static_cast<size_t>(INT32_MAX), "total bytes of the words",
-                   symbols_.size() + size, "must be < 2^31");
       const int32_t word_idx = static_cast<int32_t>(word_count_.size());
       const int32_t base = static_cast<int32_t>(symbols_.size());
       const int32_t last = static_cast<int32_t>(size) - 1;
-      for (int32_t k = 0; k <= last; ++k) {
-        symbols_.push_back({data[k], k == 0 ? kNone : base + k - 1, k == last ? kNone : base + k + 1,
-                            word_idx});
+      for (int32_t k = 0; k < last; ++k) {
+        int32_t& idx = byte_pair[data[k] * 256 + data[k + 1]];
+        if (idx == kNone) idx = add_pair(data[k], data[k + 1]);
+        pairs_[idx].count += count;
+        ++pair_end_[idx];  // number of occurrences, for now
+        symbols_.push_back({k == 0 ? kNone : base + k - 1, base + k + 1, idx, word_idx});
       }
+      symbols_.push_back({base + last - 1, kNone, kNone, word_idx});
       word_count_.push_back(count);
     }
   }
 
   std::vector<Merge> run(const TrainOptions& options) {
-    count_initial_pairs();
+    index_initial_pairs();
     std::vector<Merge> merges;
     merges.reserve(static_cast<size_t>(std::min<int64_t>(options.num_merges, 1 << 20)));
     auto last_report = std::chrono::steady_clock::now();
@@ -156,9 +112,10 @@ class Trainer {
       TF_CHECK_ARG(token_bytes_.size() < static_cast<size_t>(INT32_MAX), "vocab_size",
                    options.num_merges, "is too large");
       const int32_t new_token = static_cast<int32_t>(token_bytes_.size());
-      merges.push_back({pair_left_[best], pair_right_[best]});
-      token_bytes_.push_back(token_bytes_[pair_left_[best]] + token_bytes_[pair_right_[best]]);
-      token_state_.emplace_back();
+      const Pair pair = pairs_[best];
+      merges.push_back({pair.left, pair.right});
+      token_bytes_.push_back(token_bytes_[pair.left] + token_bytes_[pair.right]);
+      new_pair_slots_.emplace_back();
       apply_merge(best, new_token, static_cast<int32_t>(merge_idx));
     }
     if (options.on_progress) options.on_progress(static_cast<int64_t>(merges.size()));
@@ -166,70 +123,35 @@ class Trainer {
   }
 
  private:
-  // Per-token scratch for one merge, keyed by the neighbour token; valid when its stamp is the
-  // current merge index.
-  struct TokenState {
-    int32_t left_stamp = kNone;   // (token, a) looked up
-    int32_t left_pair = kNone;
-    int32_t right_stamp = kNone;  // (b, token) looked up
-    int32_t right_pair = kNone;
-    int32_t new_left_stamp = kNone;  // (token, new) created
-    int32_t new_left = kNone;
-    int32_t new_right_stamp = kNone;  // (new, token) created
-    int32_t new_right = kNone;
-  };
-
   void poll_interrupt() {
     if (interrupt_ != nullptr) interrupt_->check();
   }
 
-  int32_t add_pair(int32_t left, int32_t right, int64_t count) {
-    const int32_t idx = static_cast<int32_t>(pair_count_.size());
-    TF_CHECK_ARG(idx < INT32_MAX, "number of distinct pairs", idx, "must be < 2^31");
-    pair_left_.push_back(left);
-    pair_right_.push_back(right);
-    pair_count_.push_back(count);
+  int32_t add_pair(int32_t left, int32_t right) {
+    TF_CHECK_ARG(pairs_.size() < static_cast<size_t>(INT32_MAX), "number of distinct pairs",
+                 pairs_.size(), "must be < 2^31");
+    pairs_.push_back({0, left, right});
     pair_begin_.push_back(0);
     pair_end_.push_back(0);
-    return idx;
+    return static_cast<int32_t>(pairs_.size() - 1);
   }
 
-  int32_t find_pair(int32_t left, int32_t right) const {
-    const int32_t idx = (left < 256 && right < 256) ? byte_pair_[left * 256 + right]
-                                                     : pairs_.find(pair_key(left, right));
-    if (idx == kNone) throw std::logic_error("bpe: a pair of the word table has no index");
-    return idx;
-  }
-
-  void count_initial_pairs() {
-    byte_pair_.assign(256 * 256, kNone);
-    std::vector<int32_t> pair_at(symbols_.size(), kNone);  // pair starting at each position
-    std::vector<int64_t> num_occurrences;
-    for (size_t p = 0; p < symbols_.size(); ++p) {
-      if ((p & 0xfffff) == 0xfffff) poll_interrupt();
-      const Symbol& s = symbols_[p];
-      if (s.next == kNone) continue;
-      int32_t& idx = byte_pair_[s.token * 256 + symbols_[p + 1].token];
-      if (idx == kNone) {
-        idx = add_pair(s.token, symbols_[p + 1].token, 0);
-        num_occurrences.push_back(0);
-      }
-      pair_count_[idx] += word_count_[s.word];
-      ++num_occurrences[idx];
-      pair_at[p] = idx;
-    }
+  // Lists every pair's positions (counted by load()) and fills the heap.
+  void index_initial_pairs() {
     int64_t offset = 0;
-    for (size_t idx = 0; idx < pair_count_.size(); ++idx) {
+    for (size_t idx = 0; idx < pairs_.size(); ++idx) {
+      const int64_t num_occurrences = pair_end_[idx];
       pair_begin_[idx] = pair_end_[idx] = offset;
-      offset += num_occurrences[idx];
+      offset += num_occurrences;
     }
     arena_.resize(static_cast<size_t>(offset));
     for (size_t p = 0; p < symbols_.size(); ++p) {
-      if (pair_at[p] != kNone) arena_[pair_end_[pair_at[p]]++] = static_cast<int32_t>(p);
+      const int32_t idx = symbols_[p].pair;
+      if (idx != kNone) arena_[pair_end_[idx]++] = static_cast<int32_t>(p);
     }
-    heap_.reserve(pair_count_.size());
-    for (size_t idx = 0; idx < pair_count_.size(); ++idx) {
-      heap_.push_back({pair_count_[idx], static_cast<int32_t>(idx)});
+    heap_.reserve(pairs_.size());
+    for (size_t idx = 0; idx < pairs_.size(); ++idx) {
+      heap_.push_back({pairs_[idx].count, static_cast<int32_t>(idx)});
     }
     std::make_heap(heap_.begin(), heap_.end(), HeapLess{this});
   }
@@ -249,9 +171,11 @@ class Trainer {
     bool operator()(const HeapEntry& a, const HeapEntry& b) const {
       if (a.count != b.count) return a.count < b.count;
       const Trainer& t = *trainer;
-      const int left = t.compare_tokens(t.pair_left_[a.pair_idx], t.pair_left_[b.pair_idx]);
+      const Pair& x = t.pairs_[a.pair_idx];
+      const Pair& y = t.pairs_[b.pair_idx];
+      const int left = t.compare_tokens(x.left, y.left);
       if (left != 0) return left < 0;
-      return t.compare_tokens(t.pair_right_[a.pair_idx], t.pair_right_[b.pair_idx]) < 0;
+      return t.compare_tokens(x.right, y.right) < 0;
     }
   };
 
@@ -263,7 +187,7 @@ class Trainer {
       const HeapEntry top = heap_.front();
       std::pop_heap(heap_.begin(), heap_.end(), less);
       heap_.pop_back();
-      const int64_t current = pair_count_[top.pair_idx];
+      const int64_t current = pairs_[top.pair_idx].count;
       if (current == top.count) return top.pair_idx;
       if (current > 0) {
         heap_.push_back({current, top.pair_idx});
@@ -273,58 +197,29 @@ class Trainer {
     return -1;
   }
 
-  // Pair (x, a) (left neighbour x of a merged occurrence), looked up once per merge and x.
-  int32_t pair_with_left(int32_t x, int32_t a, int32_t merge_idx) {
-    TokenState& state = token_state_[x];
-    if (state.left_stamp != merge_idx) {
-      state.left_stamp = merge_idx;
-      state.left_pair = find_pair(x, a);
-    }
-    return state.left_pair;
-  }
-
-  // Pair (b, y) (right neighbour y of a merged occurrence).
-  int32_t pair_with_right(int32_t b, int32_t y, int32_t merge_idx) {
-    TokenState& state = token_state_[y];
-    if (state.right_stamp != merge_idx) {
-      state.right_stamp = merge_idx;
-      state.right_pair = find_pair(b, y);
-    }
-    return state.right_pair;
-  }
-
-  // New pair (x, new_token).
+  // Pair (x, new_token), made on first use in this merge.
   int32_t new_pair_with_left(int32_t x, int32_t new_token, int32_t merge_idx) {
-    TokenState& state = token_state_[x];
-    if (state.new_left_stamp != merge_idx) {
-      state.new_left_stamp = merge_idx;
-      state.new_left = static_cast<int32_t>(new_pairs_.size());
-      new_pairs_.push_back({x, new_token, 0, 0});
+    NewPairSlots& slots = new_pair_slots_[x];
+    if (slots.left_stamp != merge_idx) {
+      slots.left_stamp = merge_idx;
+      slots.left_pair = add_pair(x, new_token);
     }
-    return state.new_left;
+    return slots.left_pair;
   }
 
-  // New pair (new_token, y).
+  // Pair (new_token, y).
   int32_t new_pair_with_right(int32_t new_token, int32_t y, int32_t merge_idx) {
-    TokenState& state = token_state_[y];
-    if (state.new_right_stamp != merge_idx) {
-      state.new_right_stamp = merge_idx;
-      state.new_right = static_cast<int32_t>(new_pairs_.size());
-      new_pairs_.push_back({new_token, y, 0, 0});
+    NewPairSlots& slots = new_pair_slots_[y];
+    if (slots.right_stamp != merge_idx) {
+      slots.right_stamp = merge_idx;
+      slots.right_pair = add_pair(new_token, y);
     }
-    return state.new_right;
-  }
-
-  void add_occurrence(int32_t new_pair, int32_t position, int64_t count) {
-    new_pairs_[new_pair].count += count;
-    ++new_pairs_[new_pair].num_occurrences;
-    occurrences_.push_back({new_pair, position});
+    return slots.right_pair;
   }
 
   void apply_merge(int32_t best, int32_t new_token, int32_t merge_idx) {
-    const int32_t a = pair_left_[best], b = pair_right_[best];
     const int64_t begin = pair_begin_[best], end = pair_end_[best];
-    new_pairs_.clear();
+    const int32_t first_new_pair = static_cast<int32_t>(pairs_.size());
     occurrences_.clear();
     const int32_t* positions = arena_.data();
     Symbol* sym = symbols_.data();
@@ -336,78 +231,70 @@ class Trainer {
       }
       const int32_t p = positions[k];
       Symbol& s = sym[p];
-      if (s.token != a) continue;  // merged away since it was listed
+      if (s.pair != best) continue;  // changed since it was listed
       const int32_t n = s.next;
-      if (n == kNone || sym[n].token != b) continue;
       const int64_t count = word_count_[s.word];
-      if (s.prev != kNone) {
-        const int32_t x = sym[s.prev].token;
-        if (x == new_token) {
-          new_pairs_[new_pair_with_right(new_token, a, merge_idx)].count -= count;  // (new, a) just made
-        } else {
-          pair_count_[pair_with_left(x, a, merge_idx)] -= count;
-        }
-        add_occurrence(new_pair_with_left(x, new_token, merge_idx), s.prev, count);
+      if (s.prev != kNone) {  // (x, a) becomes (x, new)
+        Symbol& left = sym[s.prev];
+        Pair& old_pair = pairs_[left.pair];
+        old_pair.count -= count;
+        left.pair = new_pair_with_left(old_pair.left, new_token, merge_idx);
+        pairs_[left.pair].count += count;
+        occurrences_.push_back({left.pair, s.prev});
       }
       const int32_t m = sym[n].next;
-      if (m != kNone) {
-        const int32_t y = sym[m].token;  // never the new token: positions are visited in order
-        pair_count_[pair_with_right(b, y, merge_idx)] -= count;
-        add_occurrence(new_pair_with_right(new_token, y, merge_idx), p, count);
+      if (m != kNone) {  // (b, y) becomes (new, y)
+        Pair& old_pair = pairs_[sym[n].pair];
+        old_pair.count -= count;
+        s.pair = new_pair_with_right(new_token, old_pair.right, merge_idx);
+        pairs_[s.pair].count += count;
+        occurrences_.push_back({s.pair, p});
         sym[m].prev = p;
+      } else {
+        s.pair = kNone;
       }
-      s.token = new_token;
       s.next = m;
-      sym[n].token = kNone;
+      sym[n].pair = kNone;
     }
-    pair_count_[best] = 0;
-    register_new_pairs();
+    pairs_[best].count = 0;
+    register_new_pairs(first_new_pair);
   }
 
-  // Gives the merge's new pairs that still occur an index, their (ascending) positions an arena
-  // range, and a heap entry. A new pair left at count 0 no longer occurs and can never reappear.
-  void register_new_pairs() {
-    std::vector<int32_t>& pair_of_new = scratch_;
-    pair_of_new.assign(new_pairs_.size(), kNone);
+  // Gives the merge's new pairs their (ascending) position lists in the arena and a heap entry.
+  // A new pair left at count 0 no longer occurs and can never occur again.
+  void register_new_pairs(int32_t first_new_pair) {
+    const int32_t num_pairs = static_cast<int32_t>(pairs_.size());
+    for (const Occurrence& occ : occurrences_) ++pair_end_[occ.pair_idx];  // counts, for now
     int64_t offset = static_cast<int64_t>(arena_.size());
     const HeapLess less{this};
-    for (size_t j = 0; j < new_pairs_.size(); ++j) {
-      const NewPair& np = new_pairs_[j];
-      if (np.count <= 0) continue;
-      const int32_t idx = add_pair(np.left, np.right, np.count);
-      pairs_.insert(pair_key(np.left, np.right), idx);
+    for (int32_t idx = first_new_pair; idx < num_pairs; ++idx) {
+      const int64_t count = pairs_[idx].count;
+      const int64_t num_occurrences = count > 0 ? pair_end_[idx] : 0;
       pair_begin_[idx] = pair_end_[idx] = offset;
-      offset += np.num_occurrences;
-      pair_of_new[j] = idx;
-      heap_.push_back({np.count, idx});
-      std::push_heap(heap_.begin(), heap_.end(), less);
+      offset += num_occurrences;
+      if (count > 0) {
+        heap_.push_back({count, idx});
+        std::push_heap(heap_.begin(), heap_.end(), less);
+      }
     }
     arena_.resize(static_cast<size_t>(offset));
     for (const Occurrence& occ : occurrences_) {
-      const int32_t idx = pair_of_new[occ.new_pair];
-      if (idx != kNone) arena_[pair_end_[idx]++] = occ.position;
+      if (pairs_[occ.pair_idx].count > 0) arena_[pair_end_[occ.pair_idx]++] = occ.position;
     }
   }
 
   Interrupt* interrupt_;
   std::vector<std::string> token_bytes_;
-  std::vector<TokenState> token_state_;
+  std::vector<NewPairSlots> new_pair_slots_;  // by neighbour token, for the current merge
   std::vector<Symbol> symbols_;
   std::vector<int64_t> word_count_;
 
-  std::vector<int32_t> byte_pair_;  // pair index of two single bytes, by left * 256 + right
-  PairIndex pairs_;                 // pair index of every other pair
-  std::vector<int32_t> pair_left_;
-  std::vector<int32_t> pair_right_;
-  std::vector<int64_t> pair_count_;
+  std::vector<Pair> pairs_;
   std::vector<int64_t> pair_begin_;  // the pair's positions are arena_[begin, end)
   std::vector<int64_t> pair_end_;
   std::vector<int32_t> arena_;
   std::vector<HeapEntry> heap_;
-
-  std::vector<NewPair> new_pairs_;
   std::vector<Occurrence> occurrences_;
-  std::vector<int32_t> scratch_;
 };
 
 struct WordView {
