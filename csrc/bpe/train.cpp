@@ -47,6 +47,7 @@ struct NewPairSlots {
 };
 
 constexpr size_t kPrefetchDistance = 8;
+constexpr int kInitialThresholdShift = 10;  // the heap starts with pairs within 2^10 of the top count
 
 // Merge loop. Every pair keeps the positions of its left symbol in every word where it occurs
 // (ascending, so left-to-right order holds within a word); a listed position whose symbol now
@@ -149,9 +150,15 @@ class Trainer {
       const int32_t idx = symbols_[p].pair;
       if (idx != kNone) arena_[pair_end_[idx]++] = static_cast<int32_t>(p);
     }
-    heap_.reserve(pairs_.size());
+    int64_t max_count = 0;
+    for (const Pair& pair : pairs_) max_count = std::max(max_count, pair.count);
+    heap_threshold_ = std::max<int64_t>(1, max_count >> kInitialThresholdShift);
     for (size_t idx = 0; idx < pairs_.size(); ++idx) {
-      heap_.push_back({pairs_[idx].count, static_cast<int32_t>(idx)});
+      if (pairs_[idx].count >= heap_threshold_) {
+        heap_.push_back({pairs_[idx].count, static_cast<int32_t>(idx)});
+      } else {
+        deferred_.push_back(static_cast<int32_t>(idx));
+      }
     }
     std::make_heap(heap_.begin(), heap_.end(), HeapLess{this});
   }
@@ -181,20 +188,51 @@ class Trainer {
 
   // Existing pairs only lose count (every new pair contains the newest token), so a heap entry
   // is an upper bound: a stale top is re-pushed with its current count until the top is exact.
+  // Pairs counted below heap_threshold_ wait in deferred_ (most pairs are rare and never merged,
+  // and a smaller heap is much faster); an exact top at or above the threshold beats them all.
   int32_t pop_best() {
     const HeapLess less{this};
-    while (!heap_.empty()) {
-      const HeapEntry top = heap_.front();
-      std::pop_heap(heap_.begin(), heap_.end(), less);
-      heap_.pop_back();
-      const int64_t current = pairs_[top.pair_idx].count;
-      if (current == top.count) return top.pair_idx;
-      if (current > 0) {
-        heap_.push_back({current, top.pair_idx});
-        std::push_heap(heap_.begin(), heap_.end(), less);
+    while (true) {
+      while (!heap_.empty()) {
+        const HeapEntry top = heap_.front();
+        std::pop_heap(heap_.begin(), heap_.end(), less);
+        heap_.pop_back();
+        const int64_t current = pairs_[top.pair_idx].count;
+        if (current == top.count && current >= heap_threshold_) return top.pair_idx;
+        push_pair(top.pair_idx, current);
+      }
+      if (deferred_.empty()) return -1;
+      lower_threshold();
+    }
+  }
+
+  void push_pair(int32_t pair_idx, int64_t count) {
+    if (count <= 0) return;  // merged, or no longer occurs
+    if (count < heap_threshold_) {
+      deferred_.push_back(pair_idx);
+      return;
+    }
+    heap_.push_back({count, pair_idx});
+    std::push_heap(heap_.begin(), heap_.end(), HeapLess{this});
+  }
+
+  // The heap ran empty: halve the threshold below the largest deferred count and move the pairs
+  // now at or above it into the heap.
+  void lower_threshold() {
+    int64_t max_count = 0;
+    for (const int32_t idx : deferred_) max_count = std::max(max_count, pairs_[idx].count);
+    heap_threshold_ = std::max<int64_t>(1, max_count / 2);
+    size_t kept = 0;
+    for (const int32_t idx : deferred_) {
+      const int64_t count = pairs_[idx].count;
+      if (count >= heap_threshold_) {
+        heap_.push_back({count, idx});
+      } else if (count > 0) {
+        deferred_[kept++] = idx;
       }
     }
-    return -1;
+    deferred_.resize(kept);
+    std::make_heap(heap_.begin(), heap_.end(), HeapLess{this});
   }
 
   // Pair (x, new_token), made on first use in this merge.
@@ -266,16 +304,12 @@ class Trainer {
     const int32_t num_pairs = static_cast<int32_t>(pairs_.size());
     for (const Occurrence& occ : occurrences_) ++pair_end_[occ.pair_idx];  // counts, for now
     int64_t offset = static_cast<int64_t>(arena_.size());
-    const HeapLess less{this};
     for (int32_t idx = first_new_pair; idx < num_pairs; ++idx) {
       const int64_t count = pairs_[idx].count;
       const int64_t num_occurrences = count > 0 ? pair_end_[idx] : 0;
       pair_begin_[idx] = pair_end_[idx] = offset;
       offset += num_occurrences;
-      if (count > 0) {
-        heap_.push_back({count, idx});
-        std::push_heap(heap_.begin(), heap_.end(), less);
-      }
+      push_pair(idx, count);
     }
     arena_.resize(static_cast<size_t>(offset));
     for (const Occurrence& occ : occurrences_) {
@@ -294,6 +328,8 @@ class Trainer {
   std::vector<int64_t> pair_end_;
   std::vector<int32_t> arena_;
   std::vector<HeapEntry> heap_;
+  int64_t heap_threshold_ = 1;
+  std::vector<int32_t> deferred_;  // pairs counted below heap_threshold_ when last seen
   std::vector<Occurrence> occurrences_;
 };
 
