@@ -6,10 +6,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# Eager: the function `pretokenize` must shadow the submodule of the same name (and it is light).
+from trainfast.bpe.pretokenize import PATTERNS, count_pretokens, pretokenize
+
 if TYPE_CHECKING:
     from trainfast.bpe.counts import WordCounts, count_words, train_from_counts
     from trainfast.bpe.io import load, save
-    from trainfast.bpe.pretokenize import PATTERNS, count_pretokens, pretokenize
     from trainfast.bpe.tokenizer import Tokenizer
     from trainfast.bpe.train import train_bpe
 
@@ -19,8 +21,7 @@ __all__ = ["PATTERNS", "Tokenizer", "WordCounts", "count_pretokens", "count_word
 # Imported on first use, so that `from trainfast.bpe import train_bpe` loads neither NumPy nor the
 # tokenizer (a smaller process: peak RSS is part of the training benchmark).
 _SUBMODULE = {"WordCounts": "counts", "count_words": "counts", "train_from_counts": "counts", "load": "io",
-              "save": "io", "PATTERNS": "pretokenize", "count_pretokens": "pretokenize",
-              "pretokenize": "pretokenize", "Tokenizer": "tokenizer", "train_bpe": "train"}
+              "save": "io", "Tokenizer": "tokenizer", "train_bpe": "train"}
 
 
 def __getattr__(name: str) -> Any:
