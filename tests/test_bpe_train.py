@@ -156,6 +156,20 @@ def test_hypothesis_counts_match_oracle(word_counts, vocab_size):
         word_counts, vocab_size)
 
 
+_wide_counts = st.dictionaries(
+    st.binary(min_size=1, max_size=10).map(lambda b: bytes(x % 3 + 0x61 if x < 220 else x for x in b)),
+    st.integers(min_value=0, max_value=40).map(lambda e: 1 + (1 << e) // 3),
+    max_size=30,
+)
+
+
+@given(word_counts=_wide_counts, vocab_size=st.integers(min_value=256, max_value=330))
+def test_hypothesis_wide_counts_match_oracle(word_counts, vocab_size):
+    # Counts over many magnitudes: rare pairs wait outside the heap until the top counts come down.
+    assert train_from_counts(word_counts, vocab_size, show_progress=False) == ref.train_from_counts(
+        word_counts, vocab_size)
+
+
 _small_text = st.text(alphabet=st.sampled_from(list("aab ba\n'sé1  \u00a0\u3000日本<|>")), max_size=60)
 
 

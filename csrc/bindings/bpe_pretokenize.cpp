@@ -211,6 +211,12 @@ class Counter {
     return out;
   }
 
+  // finish() without the dict: the table stays native for the BPE trainer (bpe_train.cpp).
+  bpe::PretokenCounts finish_table() {
+    py::gil_scoped_release release;
+    return counter_->finish();
+  }
+
  private:
   std::unique_ptr<bpe::PretokenCounter> counter_;
 };
@@ -238,7 +244,8 @@ void register_bpe_pretokenize(py::module_& m) {
       .def("add_file", &Counter::add_file, py::arg("path"), py::arg("progress") = py::none())
       .def("add_documents", &Counter::add_documents, py::arg("documents"), py::arg("first_index") = 0,
            py::arg("progress") = py::none())
-      .def("finish", &Counter::finish, "dict[bytes, int] in first-occurrence order; empties the counter.");
+      .def("finish", &Counter::finish, "dict[bytes, int] in first-occurrence order; empties the counter.")
+      .def("finish_table", &Counter::finish_table, "finish() as a native BpeWordTable (no dict); empties the counter.");
 }
 
 }  // namespace trainfast::bindings

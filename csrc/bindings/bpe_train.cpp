@@ -1,22 +1,25 @@
-// Bindings for the BPE merge loop: reads a {bytes: int} pre-token table, trains without the GIL.
+// Bindings for the BPE merge loop: trains over a native pre-token table (straight from the
+// pre-token counter, no Python dict in between) or over a {bytes: int} dict, without the GIL.
+#include <cstring>
 #include <string>
 #include <utility>
 
 #include "bindings/common.h"
+#include "bpe/pretokenize.h"
 #include "bpe/train.h"
 
 namespace trainfast::bindings {
 namespace {
 
-struct WordTable {
+struct FlatWords {
   std::vector<uint8_t> bytes;
   std::vector<int64_t> offsets{0};
   std::vector<int64_t> counts;
 };
 
 // Flattens {bytes: int}; the GIL is held. Words of one byte are dropped (they have no pair).
-WordTable read_word_counts(const py::dict& word_counts) {
-  WordTable table;
+FlatWords read_word_counts(const py::dict& word_counts) {
+  FlatWords table;
   table.counts.reserve(word_counts.size());
   table.offsets.reserve(word_counts.size() + 1);
   PyObject* key = nullptr;
@@ -49,10 +52,10 @@ WordTable read_word_counts(const py::dict& word_counts) {
   return table;
 }
 
-// Returns (left, right) int32 arrays of merge-space ids (0..255 bytes, 256 + k merge k).
-py::tuple train_merges(const py::dict& word_counts, int64_t num_merges,
-                       const py::object& progress) {
-  const WordTable table = read_word_counts(word_counts);
+// Runs `train(options)` without the GIL, with Ctrl-C polling and progress(num_done) calls.
+template <class Train>
+std::vector<bpe::Merge> run_training(int64_t num_merges, const py::object& progress,
+                                     const Train& train) {
   Interrupt interrupt = python_interrupt();
   bpe::TrainOptions options;
   options.num_merges = num_merges;
@@ -63,27 +66,66 @@ py::tuple train_merges(const py::dict& word_counts, int64_t num_merges,
       progress(num_done);
     };
   }
-  std::vector<bpe::Merge> merges;
-  {
-    py::gil_scoped_release release;
-    merges = bpe::train_merges(table.bytes, table.offsets, table.counts, options);
+  py::gil_scoped_release release;
+  return train(options);
+}
+
+// [(left bytes, right bytes)] in creation order; ids are merge space (0..255 bytes, 256 + k merge k).
+py::list merges_to_list(const std::vector<bpe::Merge>& merges) {
+  std::vector<py::bytes> tokens;
+  tokens.reserve(256 + merges.size());
+  for (int b = 0; b < 256; ++b) tokens.emplace_back(std::string(1, static_cast<char>(b)));
+  py::list out(merges.size());
+  for (size_t k = 0; k < merges.size(); ++k) {
+    const py::bytes& left = tokens.at(static_cast<size_t>(merges[k].left));
+    const py::bytes& right = tokens.at(static_cast<size_t>(merges[k].right));
+    PyObject* merged = PyBytes_FromStringAndSize(nullptr, PyBytes_GET_SIZE(left.ptr()) +
+                                                              PyBytes_GET_SIZE(right.ptr()));
+    if (merged == nullptr) throw py::error_already_set();
+    char* data = PyBytes_AS_STRING(merged);
+    std::memcpy(data, PyBytes_AS_STRING(left.ptr()), PyBytes_GET_SIZE(left.ptr()));
+    std::memcpy(data + PyBytes_GET_SIZE(left.ptr()), PyBytes_AS_STRING(right.ptr()),
+                PyBytes_GET_SIZE(right.ptr()));
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(k), py::make_tuple(left, right).release().ptr());
+    tokens.push_back(py::reinterpret_steal<py::bytes>(merged));
   }
-  std::vector<int32_t> left(merges.size()), right(merges.size());
-  for (size_t i = 0; i < merges.size(); ++i) {
-    left[i] = merges[i].left;
-    right[i] = merges[i].right;
-  }
-  return py::make_tuple(to_numpy(std::move(left)), to_numpy(std::move(right)));
+  return out;
+}
+
+py::list train_from_dict(const py::dict& word_counts, int64_t num_merges, const py::object& progress) {
+  const FlatWords table = read_word_counts(word_counts);
+  const std::vector<bpe::Merge> merges =
+      run_training(num_merges, progress, [&table](const bpe::TrainOptions& options) {
+        return bpe::train_merges(table.bytes, table.offsets, table.counts, options);
+      });
+  return merges_to_list(merges);
+}
+
+// Consumes the table: its words are freed as soon as the merge loop has copied them.
+py::list train_from_table(bpe::PretokenCounts& table, int64_t num_merges, const py::object& progress) {
+  const std::vector<bpe::Merge> merges =
+      run_training(num_merges, progress, [&table](const bpe::TrainOptions& options) {
+        return bpe::train_merges(table.pretokens, table.counts, options,
+                                 [&table] { table = bpe::PretokenCounts(); });
+      });
+  table = bpe::PretokenCounts();
+  return merges_to_list(merges);
 }
 
 }  // namespace
 
 void register_bpe_train(py::module_& m) {
-  m.def("bpe_train_merges", &train_merges, py::arg("word_counts"), py::arg("num_merges"),
+  py::class_<bpe::PretokenCounts>(m, "BpeWordTable",
+                                  "Unique pre-tokens and their counts, kept native (from "
+                                  "BpePretokenCounter.finish_table()).")
+      .def("__len__", [](const bpe::PretokenCounts& table) { return table.pretokens.size(); });
+  m.def("bpe_train_merges", &train_from_dict, py::arg("word_counts"), py::arg("num_merges"),
         py::arg("progress") = py::none(),
-        "BPE merges over {pre-token bytes: count}; returns (left, right) int32 arrays of "
-        "merge-space ids (0..255 bytes, 256 + k the token of merge k). progress(num_done) is "
-        "called about every 0.1 s.");
+        "BPE merges over {pre-token bytes: count}: [(left, right)] bytes pairs in creation order. "
+        "progress(num_done) is called about every 0.1 s.");
+  m.def("bpe_train_merges_table", &train_from_table, py::arg("table"), py::arg("num_merges"),
+        py::arg("progress") = py::none(),
+        "bpe_train_merges over a BpeWordTable, which it empties (its memory is freed early).");
 }
 
 }  // namespace trainfast::bindings

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/parallel.h"
@@ -34,5 +35,12 @@ struct TrainOptions {
 std::vector<Merge> train_merges(std::span<const uint8_t> word_bytes,
                                 std::span<const int64_t> word_offsets,
                                 std::span<const int64_t> word_counts, const TrainOptions& options);
+
+// The same over a table of words (e.g. a pre-token counter's output): word i is words[i], occurring
+// word_counts[i] times. `release_words`, when given, is called once the words have been read (the
+// caller may free them there: the merge loop keeps its own copy, so peak memory stays lower).
+std::vector<Merge> train_merges(std::span<const std::string> words,
+                                std::span<const int64_t> word_counts, const TrainOptions& options,
+                                const std::function<void()>& release_words = {});
 
 }  // namespace trainfast::bpe

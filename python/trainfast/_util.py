@@ -5,9 +5,10 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "UpstreamAssertionError",
@@ -77,6 +78,8 @@ def as_array(
 
     ``kind`` ("int", "bool" or "float") says which source dtypes are accepted; others raise TypeError.
     """
+    import numpy as np  # here, not at import: trainfast.bpe does not need NumPy (~16 MB of RSS)
+
     if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
         value = value.detach()
         if value.device.type != "cpu":

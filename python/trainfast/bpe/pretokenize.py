@@ -212,6 +212,7 @@ def count_pretokens(
     num_threads: int | None = None,
     errors: str = "strict",
     show_progress: bool = False,
+    _native_table: bool = False,
 ) -> dict[bytes, int]:
     """Counts pre-tokens (UTF-8 bytes -> int count) over files or documents.
 
@@ -234,7 +235,8 @@ def count_pretokens(
         show_progress: report bytes processed (tqdm on a terminal, else ``logging``).
 
     Returns:
-        dict[bytes, int] with int64-range counts.
+        dict[bytes, int] with int64-range counts. (Private: ``_native_table=True`` returns a native
+        ``_core.BpeWordTable`` instead for the named patterns, for ``train_bpe``.)
     """
     native_id, compiled = _resolve_pattern(pattern)
     tokens = _check_special_tokens(special_tokens)
@@ -270,7 +272,7 @@ def count_pretokens(
             for path in paths:
                 counter.add_file(path, progress.update_to if show_progress else None)
                 progress.finish_input(os.path.getsize(path) if os.path.isfile(path) else 0)
-            return counter.finish()
+            return counter.finish_table() if _native_table else counter.finish()
         finally:
             progress.close()
 
@@ -298,7 +300,7 @@ def count_pretokens(
         if batch:
             counter.add_documents(batch, first_index, callback)
             progress.finish_input(batch_bytes)
-        return counter.finish()
+        return counter.finish_table() if _native_table else counter.finish()
     finally:
         progress.close()
 

@@ -65,6 +65,13 @@ def train_bpe(
     check_choice(errors, "errors", _ERROR_MODES)
     if not isinstance(pattern, str):
         raise TypeError(f"pattern must be a str (got {type(pattern).__name__})")
+    word_counts = _count_words(input_path, pattern, special_tokens, num_threads, errors, show_progress)
+    return _train(word_counts, vocab_size, special_tokens, show_progress)
+
+
+def _count_words(input_path: Any, pattern: str, special_tokens: list[str], num_threads: int, errors: str,
+                 show_progress: bool) -> Any:
+    """Pre-token counts: a native table for the named patterns (no dict of bytes), else a dict."""
     start = time.perf_counter()
     word_counts = count_pretokens(
         input_path,
@@ -73,9 +80,10 @@ def train_bpe(
         num_threads=num_threads,
         errors=errors,
         show_progress=show_progress,
+        _native_table=True,
     )
     _log.info("bpe: %s unique pre-tokens in %.2f s", f"{len(word_counts):,}", time.perf_counter() - start)
-    return _train(word_counts, vocab_size, special_tokens, show_progress)
+    return word_counts
 
 
 def train_from_counts(
@@ -93,26 +101,24 @@ def train_from_counts(
     return _train(word_counts, vocab_size, special_tokens, show_progress)
 
 
-def _train(word_counts: dict[bytes, int], vocab_size: int, special_tokens: list[str],
-           show_progress: bool) -> tuple[Vocab, Merges]:
+def _train(word_counts: Any, vocab_size: int, special_tokens: list[str], show_progress: bool) -> tuple[Vocab, Merges]:
+    """Merges over a dict[bytes, int] or a native table (which this empties)."""
     from trainfast import _core
 
     num_merges = min(vocab_size - 256 - len(special_tokens), 2**62)  # stops far earlier: no pair left
     start = time.perf_counter()
     with _Progress(num_merges, "merges", show_progress) as progress:
-        lefts, rights = _core.bpe_train_merges(word_counts, num_merges, progress.update)
-    _log.info("bpe: %d merges in %.2f s", len(lefts), time.perf_counter() - start)
+        if isinstance(word_counts, dict):
+            merges = _core.bpe_train_merges(word_counts, num_merges, progress.update)
+        else:
+            merges = _core.bpe_train_merges_table(word_counts, num_merges, progress.update)
+    _log.info("bpe: %d merges in %.2f s", len(merges), time.perf_counter() - start)
 
-    tokens = [bytes([b]) for b in range(256)]  # merge-space ids: 256 + k is merge k
-    merges: Merges = []
-    for left, right in zip(lefts.tolist(), rights.tolist()):
-        merges.append((tokens[left], tokens[right]))
-        tokens.append(tokens[left] + tokens[right])
-    vocab: Vocab = dict(enumerate(tokens[:256]))
+    vocab: Vocab = {b: bytes([b]) for b in range(256)}
     for token in special_tokens:
         vocab[len(vocab)] = token.encode("utf-8")
-    for token in tokens[256:]:
-        vocab[len(vocab)] = token
+    for left, right in merges:
+        vocab[len(vocab)] = left + right
     return vocab, merges
 
 
