@@ -394,6 +394,38 @@ def test_native_rejects_bad_orders():
         _core.eplb_balanced_packing(weight, np.full((2, 4), 9, dtype=np.int64), 2, 1)
 
 
+@pytest.mark.parametrize("avoid_gpu_duplicates", [False, True])
+@pytest.mark.parametrize("bad", ["duplicate", "out_of_range", "negative", "short"])
+def test_native_stages_reject_bad_orders(bad, avoid_gpu_duplicates):
+    from trainfast import _core
+
+    weight = np.asarray(README_WEIGHT, dtype=np.float32)
+    loads = weight.reshape(2, 4, 3).sum(-1)
+    good_groups = np.argsort(-loads, axis=-1, kind="stable").astype(np.int64)
+    replication = _core.eplb_replicate(weight, 16, 4, 2, 8, loads, good_groups, 1)
+    good = np.argsort(-replication.replica_loads, axis=-1, kind="stable").astype(np.int64)
+
+    def spoil(order):
+        order = order.copy()
+        if bad == "duplicate":
+            order[-1, 1] = order[-1, 0]
+        elif bad == "out_of_range":
+            order[-1, -1] = order.shape[1]
+        elif bad == "negative":
+            order[0, 0] = -1
+        else:
+            return order[:, :-1].copy()
+        return order
+
+    with pytest.raises(ValueError, match="replica_order"):
+        _core.eplb_place(replication, spoil(good), False, avoid_gpu_duplicates, 1)
+    with pytest.raises(ValueError, match="group_order"):
+        _core.eplb_replicate(weight, 16, 4, 2, 8, loads, spoil(good_groups), 1)
+    # The untouched orders still work: nothing was left half-done by the failures.
+    phy2log, log2phy, logcnt, _ = _core.eplb_place(replication, good, False, avoid_gpu_duplicates, 1)
+    assert int(logcnt.sum()) == 32 and (phy2log >= 0).all()
+
+
 # --- integration -----------------------------------------------------------------------------------------
 
 
