@@ -584,6 +584,31 @@ void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_
   }
 }
 
+template <typename Int>
+bool int_loads(std::span<const Int> weight, int64_t num_layers, int64_t num_logical, int64_t num_groups,
+               std::span<float> out, std::span<float> group_loads) {
+  TF_CHECK_ARG(num_layers > 0 && num_logical > 0 && static_cast<int64_t>(weight.size()) == num_layers * num_logical,
+               "weight", weight.size(), "must hold num_layers * num_logical_experts loads");
+  TF_CHECK_ARG(out.size() == weight.size(), "out", out.size(), "must match weight");
+  for (size_t i = 0; i < weight.size(); ++i) out[i] = static_cast<float>(weight[i]);
+  check_loads(out, num_layers, num_logical);
+  if (num_groups <= 0) return false;
+  TF_CHECK_ARG(num_logical % num_groups == 0, "num_groups", num_groups, "must divide the number of logical experts");
+  TF_CHECK_ARG(static_cast<int64_t>(group_loads.size()) == num_layers * num_groups, "group_loads",
+               group_loads.size(), "must have num_layers * num_groups elements");
+  // Every partial sum of loads >= 0 is at most the group's total: integral totals <= 2^24 are
+  // float32-exact, so every summation order (torch's vectorized one included) gives this value.
+  constexpr double kExactLimit = 16777216.0;
+  const int64_t group_size = num_logical / num_groups;
+  for (int64_t g = 0; g < num_layers * num_groups; ++g) {
+    double total = 0.0;  // exact in double until it passes 2^24, which rejects the shortcut anyway
+    for (int64_t m = 0; m < group_size; ++m) total += static_cast<double>(out[g * group_size + m]);
+    if (!(total <= kExactLimit)) return false;
+    group_loads[g] = static_cast<float>(total);
+  }
+  return true;
+}
+
 void check_order(std::span<const int64_t> order, int64_t num_rows, int64_t n, const char* name) {
   TF_CHECK_ARG(static_cast<int64_t>(order.size()) == num_rows * n, name,
                static_cast<int64_t>(order.size()), "has the wrong number of elements");
@@ -886,6 +911,10 @@ void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t 
                                     int64_t, std::span<int64_t>, std::span<int64_t>, int);          \
   template void replicate_experts<T>(std::span<const T>, int64_t, int64_t, int64_t,                 \
                                      std::span<int64_t>, std::span<int64_t>, std::span<int64_t>, int);
+template bool int_loads<int64_t>(std::span<const int64_t>, int64_t, int64_t, int64_t, std::span<float>,
+                                  std::span<float>);
+template bool int_loads<int32_t>(std::span<const int32_t>, int64_t, int64_t, int64_t, std::span<float>,
+                                  std::span<float>);
 TF_EPLB_INSTANTIATE(float)
 TF_EPLB_INSTANTIATE(double)
 TF_EPLB_INSTANTIATE(int64_t)
