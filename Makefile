@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip -q
 CONSTRAINTS := .ci/constraints.txt
 BUILD_DEPS := scikit-build-core pybind11 ninja
-TEST_DEPS := pytest hypothesis regex megatron-core tiktoken tokenizers
+TEST_DEPS := pytest hypothesis regex megatron-core tiktoken tokenizers matplotlib
 BENCH_DEPS := tokenizers tiktoken rustbpe
 
 .PHONY: demo test bench install dev fuzz test-sanitize clean
