@@ -385,6 +385,15 @@ def test_bad_loads_name_layer_and_expert(bad):
         eplb.rebalance_experts(weight, 16, 4, 2, 8, tie_break="stable")
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_negative_integer_loads_name_layer_and_expert(dtype):
+    weight = torch.ones(3, 12, dtype=dtype)
+    weight[2, 5] = -3
+    for tie_break in ("torch", "stable"):
+        with pytest.raises(ValueError, match=r"layer 2, expert 5"):
+            eplb.rebalance_experts(weight, 16, 4, 2, 8, tie_break=tie_break)
+
+
 def test_bad_types():
     with pytest.raises(TypeError, match="num_replicas"):
         eplb.rebalance_experts(torch.ones(2, 12), 16.0, 4, 2, 8)
