@@ -590,7 +590,24 @@ bool int_loads(std::span<const Int> weight, int64_t num_layers, int64_t num_logi
   TF_CHECK_ARG(num_layers > 0 && num_logical > 0 && static_cast<int64_t>(weight.size()) == num_layers * num_logical,
                "weight", weight.size(), "must hold num_layers * num_logical_experts loads");
   TF_CHECK_ARG(out.size() == weight.size(), "out", out.size(), "must match weight");
-  for (size_t i = 0; i < weight.size(); ++i) out[i] = static_cast<float>(weight[i]);
+  const Int* in = weight.data();
+  float* converted = out.data();
+  bool small = false;
+  if constexpr (sizeof(Int) == 8) {
+    uint64_t bits = 0;
+    for (size_t i = 0; i < weight.size(); ++i) bits |= static_cast<uint64_t>(in[i]);
+    small = (bits >> 52) == 0;  // all in [0, 2^52)
+  }
+  if (small) {
+    // Vectorizable: x in [0, 2^52) is exact as the double 2^52 + x minus 2^52, and rounding that
+    // double to float rounds x once, like a direct conversion.
+    for (size_t i = 0; i < weight.size(); ++i) {
+      const double exact = std::bit_cast<double>(static_cast<uint64_t>(in[i]) | 0x4330000000000000ull) - 0x1p52;
+      converted[i] = static_cast<float>(exact);
+    }
+  } else {
+    for (size_t i = 0; i < weight.size(); ++i) converted[i] = static_cast<float>(in[i]);
+  }
   check_loads(out, num_layers, num_logical);
   if (num_groups <= 0) return false;
   TF_CHECK_ARG(num_logical % num_groups == 0, "num_groups", num_groups, "must divide the number of logical experts");
@@ -598,12 +615,18 @@ bool int_loads(std::span<const Int> weight, int64_t num_layers, int64_t num_logi
                group_loads.size(), "must have num_layers * num_groups elements");
   // Every partial sum of loads >= 0 is at most the group's total: integral totals <= 2^24 are
   // float32-exact, so every summation order (torch's vectorized one included) gives this value.
-  constexpr double kExactLimit = 16777216.0;
+  // Loads up to 2^24 are exact in float32 too, so the integer total is the float32 sum.
+  constexpr int64_t kExactLimit = int64_t{1} << 24;
   const int64_t group_size = num_logical / num_groups;
   for (int64_t g = 0; g < num_layers * num_groups; ++g) {
-    double total = 0.0;  // exact in double until it passes 2^24, which rejects the shortcut anyway
-    for (int64_t m = 0; m < group_size; ++m) total += static_cast<double>(out[g * group_size + m]);
-    if (!(total <= kExactLimit)) return false;
+    const Int* member = weight.data() + g * group_size;
+    uint64_t total = 0, bits = 0;  // loads are >= 0 here (checked above)
+    for (int64_t m = 0; m < group_size; ++m) {
+      total += static_cast<uint64_t>(member[m]);
+      bits |= static_cast<uint64_t>(member[m]);
+    }
+    // All loads < 2^25 (so the total did not wrap) and their total <= 2^24.
+    if ((bits >> 25) != 0 || total > static_cast<uint64_t>(kExactLimit)) return false;
     group_loads[g] = static_cast<float>(total);
   }
   return true;
@@ -659,8 +682,10 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
     std::vector<int64_t> order(G), group_node(G), group_rank(G);
     FloatPackScratch pack_scratch;
     DescendingSorter sorter;
-    FloatReplicaHeap<true> replica_heap;
-    std::vector<float> layer_mlog_loads(E);
+    // Rows (layer, node) replicate kBatch at a time: their heaps' update chains overlap in the CPU.
+    constexpr int64_t kBatch = 4;
+    std::array<FloatReplicaHeap<true>, kBatch> heaps;
+    std::vector<float> block_mlog_loads((end - begin) * E);  // row-major: row (layer - begin) * N + node
     for (int64_t layer = begin; layer < end; ++layer) {
       const float* w = weight.data() + layer * E;
       if (groups_per_node == 1) {
@@ -683,38 +708,48 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
           group_desc = group_order.data() + layer * G;
         }
         pack_rows_float<1, false>(group_load, group_desc, G, N, group_node.data(), group_rank.data(), pack_scratch,
-                           "group_order");
+                                  "group_order");
       }
       int32_t* log2mlog = out.log2mlog.data() + layer * E;
       int32_t* mlog2log = out.mlog2log.data() + layer * E;
+      float* layer_mlog_loads = block_mlog_loads.data() + (layer - begin) * E;
       for (int64_t g = 0, e = 0; g < G; ++g) {
         const int64_t first = (group_node[g] * groups_per_node + group_rank[g]) * group_size;
-        std::copy(w + g * group_size, w + (g + 1) * group_size, layer_mlog_loads.begin() + first);
+        std::copy(w + g * group_size, w + (g + 1) * group_size, layer_mlog_loads + first);
         for (int64_t member = 0; member < group_size; ++member, ++e) {
           log2mlog[e] = static_cast<int32_t>(first + member);
           mlog2log[first + member] = static_cast<int32_t>(e);
         }
       }
-      for (int64_t node = 0; node < N; ++node) {
-        const int64_t row = layer * N + node;
-        const float* mlog_loads = layer_mlog_loads.data() + node * epn;
-        int32_t* phy2mlog = out.phy2mlog.data() + row * ppn;
-        int32_t* phy_rank = out.phy_rank.data() + row * ppn;
-        int32_t* count = out.mlog_count.data() + row * epn;
+    }
+    const int64_t num_rows = (end - begin) * N;
+    for (int64_t first = 0; first < num_rows; first += kBatch) {
+      const int64_t batch = std::min(kBatch, num_rows - first);
+      const int64_t row0 = begin * N + first;  // global row of the batch's first row
+      int32_t* phy2mlogs = out.phy2mlog.data() + row0 * ppn;
+      int32_t* phy_ranks = out.phy_rank.data() + row0 * ppn;
+      for (int64_t b = 0; b < batch; ++b) {
         for (int64_t m = 0; m < epn; ++m) {
-          phy2mlog[m] = static_cast<int32_t>(m);
-          phy_rank[m] = 0;
+          phy2mlogs[b * ppn + m] = static_cast<int32_t>(m);
+          phy_ranks[b * ppn + m] = 0;
         }
-        replica_heap.reset(mlog_loads, epn);
-        for (int64_t slot = epn; slot < ppn; ++slot) {
-          const auto [expert, rank] = replica_heap.add();
-          phy2mlog[slot] = static_cast<int32_t>(expert);
-          phy_rank[slot] = static_cast<int32_t>(rank);
+        heaps[b].reset(block_mlog_loads.data() + (first + b) * epn, epn);
+      }
+      for (int64_t slot = epn; slot < ppn; ++slot) {
+        for (int64_t b = 0; b < batch; ++b) {
+          const auto [expert, rank] = heaps[b].add();
+          phy2mlogs[b * ppn + slot] = static_cast<int32_t>(expert);
+          phy_ranks[b * ppn + slot] = static_cast<int32_t>(rank);
         }
+      }
+      for (int64_t b = 0; b < batch; ++b) {
+        const float* mlog_loads = block_mlog_loads.data() + (first + b) * epn;
+        const int32_t* phy2mlog = phy2mlogs + b * ppn;
         // Upstream's weight / logcnt in float32; x / 1 == x, so only replicated experts divide.
-        const int64_t* counts = replica_heap.counts().data();
+        const int64_t* counts = heaps[b].counts().data();
+        int32_t* count = out.mlog_count.data() + (row0 + b) * epn;
         for (int64_t m = 0; m < epn; ++m) count[m] = static_cast<int32_t>(counts[m]);
-        float* replica_load = out.replica_loads.data() + row * ppn;
+        float* replica_load = out.replica_loads.data() + (row0 + b) * ppn;
         std::copy(mlog_loads, mlog_loads + epn, replica_load);
         for (int64_t slot = epn; slot < ppn; ++slot) {
           const int64_t m = phy2mlog[slot];
