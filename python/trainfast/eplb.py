@@ -1,9 +1,11 @@
 """DeepSeek's expert-parallel load balancer (deepseek-ai/EPLB ``eplb.py``), native and drop-in.
 
 ``rebalance_experts`` returns exactly what upstream returns on the same torch build: the two
-descending orders upstream takes from torch's non-stable ``sort`` (and the group loads from torch's
-``sum``) are still taken from torch, everything else (greedy packing with heaps, replication,
-index maps) runs natively, layers in parallel.
+descending orders upstream takes from torch's non-stable ``sort`` are still taken from torch (on
+the same-shaped tensors), and so are the group loads from torch's ``sum`` unless float32 adds
+them exactly in any order (integer loads whose group totals are <= 2^24, summed natively);
+everything else (greedy packing with tournament trees, replication, index maps) runs natively,
+layers in parallel.
 
 Opt-in extras (the default output stays bit-identical):
 
