@@ -10,7 +10,8 @@ layers in parallel.
 Opt-in extras (the default output stays bit-identical):
 
 - ``tie_break="stable"``: fully native and torch-independent; ties go to the lowest index, group
-  loads are float32 sums in index order. Reproducible across torch versions, and the fastest path.
+  loads are float32 sums in index order. Reproducible across torch versions; no torch calls (on
+  short rows, such as one node's replicas, its native sort costs about as much as torch's).
 - ``refine=True``: after the greedy packing, swap replicas between the heaviest GPU of each node
   and the others while that lowers the pair's maximum load (see :func:`balancedness`).
 - ``avoid_gpu_duplicates=True``: the greedy skips GPUs that already hold a replica of the same
