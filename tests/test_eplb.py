@@ -143,6 +143,36 @@ def test_input_kinds_agree():
         assert_same(eplb.rebalance_experts(weight, 16, 4, 2, 8), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("scale", [1, 2**20, 2**22, 2**23 + 1, 2**30])
+def test_integer_loads_near_float32_exactness_limit(dtype, scale):
+    # Group totals below and above 2^24: the native group sums (exact) and torch's (rounded) must
+    # both give upstream's answer; scale 2^30 also rounds the loads themselves.
+    rng = np.random.default_rng(scale)
+    for _ in range(10):
+        weight = torch.from_numpy(rng.integers(0, 8, size=(3, 16)) * (scale // 4) + rng.integers(0, 3, size=(3, 16)))
+        weight = weight.to(dtype)
+        for args in ((weight, 20, 4, 2, 4), (weight, 24, 8, 2, 8), (weight, 32, 4, 4, 8)):
+            assert_same(eplb.rebalance_experts(*args), ref.rebalance_experts(*args))
+
+
+def test_native_int_loads_group_sums_equal_torch():
+    from trainfast import _core
+
+    rng = np.random.default_rng(5)
+    for limit in (4, 1000, 2**21, 2**22):
+        loads = rng.integers(0, limit, size=(7, 32))
+        weight32, sums = _core.eplb_int_loads(loads, 8)
+        expected = torch.from_numpy(loads).float()
+        assert torch.equal(torch.from_numpy(weight32), expected)
+        if loads.reshape(7, 8, 4).sum(-1).max() <= 2**24:
+            assert torch.equal(torch.from_numpy(sums), expected.unflatten(-1, (8, 4)).sum(-1))
+        else:
+            assert sums is None  # not exact in every order: the caller asks torch
+    with pytest.raises(ValueError, match=r"weight\[1, 2\]"):
+        _core.eplb_int_loads(np.array([[1, 2, 3, 4], [5, 6, -7, 8]]), 2)
+
+
 def test_sglang_enable_hierarchical_argument():
     weight = torch.tensor(README_WEIGHT)
     assert_same(eplb.rebalance_experts(weight, 16, 4, 2, 8, True), eplb.rebalance_experts(weight, 16, 4, 2, 8))
@@ -355,6 +385,15 @@ def test_bad_loads_name_layer_and_expert(bad):
         eplb.rebalance_experts(weight, 16, 4, 2, 8, tie_break="stable")
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_negative_integer_loads_name_layer_and_expert(dtype):
+    weight = torch.ones(3, 12, dtype=dtype)
+    weight[2, 5] = -3
+    for tie_break in ("torch", "stable"):
+        with pytest.raises(ValueError, match=r"layer 2, expert 5"):
+            eplb.rebalance_experts(weight, 16, 4, 2, 8, tie_break=tie_break)
+
+
 def test_bad_types():
     with pytest.raises(TypeError, match="num_replicas"):
         eplb.rebalance_experts(torch.ones(2, 12), 16.0, 4, 2, 8)
@@ -392,6 +431,38 @@ def test_native_rejects_bad_orders():
         _core.eplb_balanced_packing(weight, np.zeros((2, 4), dtype=np.int64), 2, 1)
     with pytest.raises(ValueError, match="order"):
         _core.eplb_balanced_packing(weight, np.full((2, 4), 9, dtype=np.int64), 2, 1)
+
+
+@pytest.mark.parametrize("avoid_gpu_duplicates", [False, True])
+@pytest.mark.parametrize("bad", ["duplicate", "out_of_range", "negative", "short"])
+def test_native_stages_reject_bad_orders(bad, avoid_gpu_duplicates):
+    from trainfast import _core
+
+    weight = np.asarray(README_WEIGHT, dtype=np.float32)
+    loads = weight.reshape(2, 4, 3).sum(-1)
+    good_groups = np.argsort(-loads, axis=-1, kind="stable").astype(np.int64)
+    replication = _core.eplb_replicate(weight, 16, 4, 2, 8, loads, good_groups, 1)
+    good = np.argsort(-replication.replica_loads, axis=-1, kind="stable").astype(np.int64)
+
+    def spoil(order):
+        order = order.copy()
+        if bad == "duplicate":
+            order[-1, 1] = order[-1, 0]
+        elif bad == "out_of_range":
+            order[-1, -1] = order.shape[1]
+        elif bad == "negative":
+            order[0, 0] = -1
+        else:
+            return order[:, :-1].copy()
+        return order
+
+    with pytest.raises(ValueError, match="replica_order"):
+        _core.eplb_place(replication, spoil(good), False, avoid_gpu_duplicates, 1)
+    with pytest.raises(ValueError, match="group_order"):
+        _core.eplb_replicate(weight, 16, 4, 2, 8, loads, spoil(good_groups), 1)
+    # The untouched orders still work: nothing was left half-done by the failures.
+    phy2log, log2phy, logcnt, _ = _core.eplb_place(replication, good, False, avoid_gpu_duplicates, 1)
+    assert int(logcnt.sum()) == 32 and (phy2log >= 0).all()
 
 
 # --- integration -----------------------------------------------------------------------------------------
@@ -468,15 +539,37 @@ def test_cli_bad_arguments_exit_2(tmp_path):
     assert main(["eplb", str(tmp_path / "loads.json")]) == 2
 
 
-def test_cli_plot(tmp_path):
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_cli_plot_writes_png(tmp_path, refine, capsys):
+    pytest.importorskip("matplotlib")
     from trainfast.cli import main
 
-    path, png = tmp_path / "loads.npy", tmp_path / "loads.png"
-    np.save(path, np.random.default_rng(1).integers(0, 100, size=(2, 16)))
-    code = main(["eplb", str(path), "--gpus", "4", "--nodes", "2", "--groups", "4", "--refine", "--plot", str(png)])
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert code == 2 and not png.exists()  # optional dependency missing: a clear error, no crash
-    else:
-        assert code == 0 and png.stat().st_size > 0
+    path, png = tmp_path / "loads.csv", tmp_path / "loads.png"
+    np.savetxt(path, np.random.default_rng(1).integers(0, 100, size=(2, 16)), delimiter=",")
+    args = ["eplb", str(path), "--gpus", "4", "--nodes", "2", "--groups", "4", "--plot", str(png)]
+    assert main(args + (["--refine"] if refine else [])) == 0
+    data = png.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 300 and height >= 200 and len(data) > 5000  # a real chart, not an empty canvas
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loads.csv", "loads.png"]  # no temp file left
+
+
+def test_cli_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, caplog):
+    import sys
+
+    from trainfast.cli import main
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` raises ImportError
+    path, png, saved = tmp_path / "loads.npy", tmp_path / "loads.png", tmp_path / "placement.pt"
+    np.save(path, np.ones((2, 16), dtype=np.int64))
+    code = main(["eplb", str(path), "--gpus", "4", "--nodes", "2", "--plot", str(png), "--save", str(saved)])
+    assert code == 2
+    assert "--plot needs matplotlib" in caplog.text and "pip install" in caplog.text
+    assert not png.exists() and not saved.exists()  # failed before doing any work

@@ -65,6 +65,29 @@ py::tuple place(const std::shared_ptr<eplb::Replication>& replication, const CAr
       buffer_to_numpy(std::move(placement.phy_rank), {s.num_layers, s.num_physical}));
 }
 
+template <typename Int>
+py::tuple int_loads_typed(const py::array& weight_any, int64_t num_groups) {
+  const auto weight = CArray<Int>::ensure(weight_any);
+  const int64_t rows = weight.shape(0), cols = weight.shape(1);
+  eplb::Buffer<float> out(rows * cols), group_loads(num_groups > 0 ? rows * num_groups : 0);
+  bool exact = false;
+  {
+    py::gil_scoped_release release;
+    exact = eplb::int_loads<Int>(flat(weight), rows, cols, num_groups, out, group_loads);
+  }
+  py::object sums = py::none();
+  if (exact) sums = buffer_to_numpy(std::move(group_loads), {rows, num_groups});
+  return py::make_tuple(buffer_to_numpy(std::move(out), {rows, cols}), sums);
+}
+
+py::tuple int_loads(const py::array& weight, int64_t num_groups) {
+  check_2d(weight, "weight");
+  if (!(weight.flags() & py::array::c_style)) throw py::value_error("weight must be C-contiguous");
+  if (weight.dtype().is(py::dtype::of<int64_t>())) return int_loads_typed<int64_t>(weight, num_groups);
+  if (weight.dtype().is(py::dtype::of<int32_t>())) return int_loads_typed<int32_t>(weight, num_groups);
+  throw py::type_error("weight must be int64 or int32 (got " + std::string(py::str(weight.dtype())) + ")");
+}
+
 template <typename T>
 py::tuple balanced_packing_typed(const py::array& weight_any, const CArray<int64_t>& order, int64_t num_packs,
                                  int num_threads) {
@@ -139,6 +162,9 @@ void register_eplb(py::module_& m) {
   m.def("eplb_place", &place, py::arg("replication"), py::arg("replica_order").noconvert(), py::arg("refine"),
         py::arg("avoid_gpu_duplicates"), py::arg("num_threads"),
         "Stage 2: pack each node's replicas onto its GPUs. Returns (phy2log, log2phy, logcnt, phyrank).");
+  m.def("eplb_int_loads", &int_loads, py::arg("weight"), py::arg("num_groups"),
+        "Integer loads as float32 (checked), plus the group sums when float32 adds them exactly in any "
+        "order (else None). Returns (weight_f32, group_loads | None).");
   m.def("eplb_balanced_packing", &balanced_packing, py::arg("weight"), py::arg("order").noconvert(),
         py::arg("num_packs"), py::arg("num_threads"),
         "Upstream's balanced_packing with the given descending order. Returns (pack_index, rank_in_pack).");

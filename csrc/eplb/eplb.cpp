@@ -99,24 +99,18 @@ class Tournament {
   std::vector<int64_t> tree_;
 };
 
-// Sort key of a pack: (full, load), full packs last. float loads pack into one integer compare.
+// Order-preserving bits of a float (-0 counts as +0): a < b as floats iff key(a) < key(b).
+uint32_t ordered_bits(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value + 0.0f);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Sort key of a pack: (full, load), full packs last.
 template <typename Acc>
 struct PackKey {
   using Type = std::pair<uint8_t, Acc>;
   static Type make(Acc load, bool full) { return {static_cast<uint8_t>(full), load}; }
   static Type padding() { return {2, Acc{}}; }
-};
-
-template <>
-struct PackKey<float> {
-  using Type = uint64_t;
-  static Type make(float load, bool full) {
-    // Order-preserving float bits; +0.0f turns a -0 into +0 so that equal loads get equal keys.
-    const uint32_t bits = std::bit_cast<uint32_t>(load + 0.0f);
-    const uint32_t ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    return (static_cast<uint64_t>(full) << 32) | ordered;
-  }
-  static Type padding() { return uint64_t{2} << 32; }
 };
 
 // The non-full packs by load: upstream's min() over the packs in index order keeps the first of
@@ -190,12 +184,6 @@ using QuotientOf = std::conditional_t<std::is_same_v<Value, double>, double, flo
 template <typename Value>
 using AccOf = std::conditional_t<std::is_integral_v<Value>, int64_t, Value>;
 
-// Order-preserving bits of a float (-0 counts as +0): a < b as floats iff key(a) < key(b).
-uint32_t ordered_bits(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value + 0.0f);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
 // Descending by value, ties by lowest index (the native "stable" order): a stable LSD radix sort of
 // the inverted keys, starting from index order. Byte passes that cannot reorder are skipped.
 class DescendingSorter {
@@ -236,6 +224,198 @@ class DescendingSorter {
  private:
   std::vector<uint32_t> keys_, next_keys_;
   std::vector<int64_t> next_order_;
+};
+
+// --- float fast paths: unique 64-bit keys, so each tournament match is one integer min/max and the
+// winner's key itself travels up the tree (no index indirection, no tie logic).
+
+// Pack key: full flag, then load, then pack index, so the minimum is the first lightest non-full
+// pack (upstream's min() over packs in index order). Needs num_packs < 2^31.
+constexpr uint64_t kPackIndexMask = (uint64_t{1} << 31) - 1;
+// With kNonNegative the loads are sums of loads >= 0 starting at +0 (so never -0): their raw bits
+// already order them.
+template <bool kNonNegative>
+inline uint64_t float_pack_key(float load, bool full, int64_t pack) {
+  const uint32_t bits = kNonNegative ? std::bit_cast<uint32_t>(load) : ordered_bits(load);
+  return (static_cast<uint64_t>(full) << 63) | (static_cast<uint64_t>(bits) << 31) | static_cast<uint64_t>(pack);
+}
+
+// Scratch of the interleaved packer, reused across rows of one thread.
+struct FloatPackScratch {
+  int64_t num_packs = -1;              // initial_tree is built for this many packs
+  std::vector<uint64_t> initial_tree;  // the tree of empty packs, copied into each row's tree
+  std::vector<uint64_t> tree;
+  std::vector<int64_t> count;
+  std::vector<float> load;
+  std::vector<uint8_t> seen;
+};
+
+// Greedy balanced packing of R rows at once (row r at offset r * n of every array). Each item's
+// step (pick the lightest pack, add the load, replay its root path) depends on the previous item
+// of its row only, so the R rows' chains overlap in the CPU. Rows of `order` must be permutations
+// of 0..n-1: checked on the way (`order_name` names it in the error).
+template <int R, bool kNonNegative>
+void pack_rows_float(const float* weight, const int64_t* order, int64_t n, int64_t num_packs,
+                     int64_t* pack_index, int64_t* rank_in_pack, FloatPackScratch& scratch,
+                     const char* order_name) {
+  const int64_t capacity = n / num_packs;
+  const int64_t size = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(num_packs)));
+  if (scratch.num_packs != num_packs) {
+    scratch.num_packs = num_packs;
+    scratch.initial_tree.assign(2 * size, ~uint64_t{0});  // padding leaves never win
+    for (int64_t p = 0; p < num_packs; ++p) scratch.initial_tree[size + p] = float_pack_key<kNonNegative>(0.0f, false, p);
+    for (int64_t pos = size - 1; pos >= 1; --pos) {
+      scratch.initial_tree[pos] = std::min(scratch.initial_tree[2 * pos], scratch.initial_tree[2 * pos + 1]);
+    }
+  }
+  scratch.tree.resize(R * 2 * size);
+  for (int r = 0; r < R; ++r) {
+    std::copy(scratch.initial_tree.begin(), scratch.initial_tree.end(), scratch.tree.begin() + r * 2 * size);
+  }
+  scratch.count.assign(R * num_packs, 0);
+  scratch.load.assign(R * num_packs, 0.0f);
+  std::fill(pack_index, pack_index + R * n, int64_t{-1});
+  uint64_t* const trees = scratch.tree.data();
+  int64_t* const counts = scratch.count.data();
+  float* const loads = scratch.load.data();
+  for (int64_t k = 0; k < n; ++k) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t item = order[r * n + k];
+      int64_t* const row_pack = pack_index + r * n;
+      TF_CHECK_ARG(static_cast<uint64_t>(item) < static_cast<uint64_t>(n) && row_pack[item] < 0, order_name,
+                   item, "must hold a permutation of each row's indices");
+      uint64_t* const tree = trees + r * 2 * size;
+      const int64_t pack = static_cast<int64_t>(tree[1] & kPackIndexMask);  // size 1: tree[1] is the leaf
+      const int64_t rank = counts[r * num_packs + pack]++;
+      const float load = loads[r * num_packs + pack] + weight[r * n + item];
+      loads[r * num_packs + pack] = load;
+      uint64_t key = float_pack_key<kNonNegative>(load, rank + 1 == capacity, pack);
+      int64_t pos = size + pack;
+      tree[pos] = key;
+      while (pos > 1) {
+        key = std::min(key, tree[pos ^ 1]);
+        pos >>= 1;
+        tree[pos] = key;
+      }
+      row_pack[item] = pack;
+      rank_in_pack[r * n + item] = rank;
+    }
+  }
+}
+
+// Where place_rows writes one (layer, node) row's slots.
+struct RowSlots {
+  const int32_t* mlog2log;  // the node's logical experts by node-local id
+  int64_t* phy2log;         // the node's slots
+  int64_t* phy_rank;
+  int64_t* log2phy;         // the layer's [E, width] map (pre-filled with -1)
+  int64_t width;
+  int64_t first_slot;       // layer slot of the node's first slot
+};
+
+// place()'s plain greedy on R rows at once (see pack_rows_float; loads >= 0), writing each replica
+// straight into its slot pack * capacity + rank. Rows of `order` must be permutations of 0..n-1.
+template <int R>
+void place_rows(const float* loads, const int64_t* order, const int32_t* phy2mlog, const int32_t* phy_rank,
+                int64_t n, int64_t num_packs, const RowSlots* rows, FloatPackScratch& scratch) {
+  const int64_t capacity = n / num_packs;
+  const int64_t size = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(num_packs)));
+  if (scratch.num_packs != num_packs) {
+    scratch.num_packs = num_packs;
+    scratch.initial_tree.assign(2 * size, ~uint64_t{0});  // padding leaves never win
+    for (int64_t p = 0; p < num_packs; ++p) scratch.initial_tree[size + p] = float_pack_key<true>(0.0f, false, p);
+    for (int64_t pos = size - 1; pos >= 1; --pos) {
+      scratch.initial_tree[pos] = std::min(scratch.initial_tree[2 * pos], scratch.initial_tree[2 * pos + 1]);
+    }
+  }
+  scratch.tree.resize(R * 2 * size);
+  for (int r = 0; r < R; ++r) {
+    std::copy(scratch.initial_tree.begin(), scratch.initial_tree.end(), scratch.tree.begin() + r * 2 * size);
+  }
+  scratch.count.assign(R * num_packs, 0);
+  scratch.load.assign(R * num_packs, 0.0f);
+  scratch.seen.assign(R * n, 0);
+  uint64_t* const trees = scratch.tree.data();
+  int64_t* const counts = scratch.count.data();
+  float* const pack_loads = scratch.load.data();
+  uint8_t* const seen = scratch.seen.data();
+  for (int64_t k = 0; k < n; ++k) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t item = order[r * n + k];
+      TF_CHECK_ARG(static_cast<uint64_t>(item) < static_cast<uint64_t>(n) && seen[r * n + item] == 0,
+                   "replica_order", item, "must hold a permutation of each row's indices");
+      seen[r * n + item] = 1;
+      uint64_t* const tree = trees + r * 2 * size;
+      const int64_t pack = static_cast<int64_t>(tree[1] & kPackIndexMask);  // size 1: tree[1] is the leaf
+      const int64_t rank = counts[r * num_packs + pack]++;
+      const float load = pack_loads[r * num_packs + pack] + loads[r * n + item];
+      pack_loads[r * num_packs + pack] = load;
+      uint64_t key = float_pack_key<true>(load, rank + 1 == capacity, pack);
+      int64_t pos = size + pack;
+      tree[pos] = key;
+      while (pos > 1) {
+        key = std::min(key, tree[pos ^ 1]);
+        pos >>= 1;
+        tree[pos] = key;
+      }
+      const int64_t slot = pack * capacity + rank;
+      const int64_t expert = rows[r].mlog2log[phy2mlog[r * n + item]], replica = phy_rank[r * n + item];
+      rows[r].phy2log[slot] = expert;
+      rows[r].phy_rank[slot] = replica;
+      rows[r].log2phy[expert * rows[r].width + replica] = rows[r].first_slot + slot;
+    }
+  }
+}
+
+// Experts keyed by (load per replica, lowest index): the maximum is upstream's
+// `(weight / logcnt).max(-1).indices` (first maximum). Quotients are float32 divisions.
+// kNonNegative: loads are >= 0 (or -0), whose bits with the sign bit set already order them.
+template <bool kNonNegative>
+class FloatReplicaHeap {
+ public:
+  template <typename Value>
+  void reset(const Value* weight, int64_t num_log) {
+    size_ = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(num_log)));
+    weight_q_.resize(num_log);
+    count_.assign(num_log, 1);
+    tree_.resize(2 * size_);
+    for (int64_t e = 0; e < num_log; ++e) {
+      weight_q_[e] = static_cast<float>(weight[e]);
+      tree_[size_ + e] = key(weight_q_[e], e);  // x / 1 == x
+    }
+    std::fill(tree_.begin() + size_ + num_log, tree_.end(), uint64_t{0});  // padding never wins
+    for (int64_t pos = size_ - 1; pos >= 1; --pos) tree_[pos] = std::max(tree_[2 * pos], tree_[2 * pos + 1]);
+  }
+
+  // Adds a replica to the expert with the largest load per replica; returns (expert, its rank).
+  std::pair<int64_t, int64_t> add() {
+    const int64_t expert = static_cast<int64_t>(kIndexMask - (tree_[1] & kIndexMask));
+    const int64_t rank = count_[expert]++;
+    uint64_t k = key(weight_q_[expert] / static_cast<float>(count_[expert]), expert);
+    int64_t pos = size_ + expert;
+    tree_[pos] = k;
+    while (pos > 1) {
+      k = std::max(k, tree_[pos ^ 1]);
+      pos >>= 1;
+      tree_[pos] = k;
+    }
+    return {expert, rank};
+  }
+
+  const std::vector<int64_t>& counts() const { return count_; }
+
+ private:
+  static constexpr uint64_t kIndexMask = 0xFFFFFFFFu;
+  // Loads are finite and >= 0 here (checked), so real keys are > 0, the padding.
+  static uint64_t key(float quotient, int64_t expert) {
+    const uint32_t bits = kNonNegative ? (std::bit_cast<uint32_t>(quotient) | 0x80000000u) : ordered_bits(quotient);
+    return (static_cast<uint64_t>(bits) << 32) | (kIndexMask - static_cast<uint64_t>(expert));
+  }
+
+  int64_t size_ = 1;
+  std::vector<float> weight_q_;
+  std::vector<int64_t> count_;
+  std::vector<uint64_t> tree_;
 };
 
 template <typename Value>
@@ -383,6 +563,13 @@ void check_shape(const Shape& s) {
 void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_logical) {
   TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == num_layers * num_logical, "weight", weight.size(),
                "must hold num_layers * num_logical_experts loads");
+  // A branch-free pass (it vectorizes); only a bad load pays for the search below.
+  const float* data = weight.data();
+  unsigned bad = 0;
+  for (size_t i = 0; i < weight.size(); ++i) {
+    bad |= static_cast<unsigned>(!((data[i] >= 0.0f) & (data[i] <= std::numeric_limits<float>::max())));
+  }
+  if (bad == 0) return;
   for (size_t i = 0; i < weight.size(); ++i) {
     const float value = weight[i];
     if (!(value >= 0.0f) || std::isinf(value)) {
@@ -395,6 +582,54 @@ void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_
                                   detail::format_value(value) + ")");
     }
   }
+}
+
+template <typename Int>
+bool int_loads(std::span<const Int> weight, int64_t num_layers, int64_t num_logical, int64_t num_groups,
+               std::span<float> out, std::span<float> group_loads) {
+  TF_CHECK_ARG(num_layers > 0 && num_logical > 0 && static_cast<int64_t>(weight.size()) == num_layers * num_logical,
+               "weight", weight.size(), "must hold num_layers * num_logical_experts loads");
+  TF_CHECK_ARG(out.size() == weight.size(), "out", out.size(), "must match weight");
+  const Int* in = weight.data();
+  float* converted = out.data();
+  bool small = false;
+  if constexpr (sizeof(Int) == 8) {
+    uint64_t bits = 0;
+    for (size_t i = 0; i < weight.size(); ++i) bits |= static_cast<uint64_t>(in[i]);
+    small = (bits >> 52) == 0;  // all in [0, 2^52)
+  }
+  if (small) {
+    // Vectorizable: x in [0, 2^52) is exact as the double 2^52 + x minus 2^52, and rounding that
+    // double to float rounds x once, like a direct conversion.
+    for (size_t i = 0; i < weight.size(); ++i) {
+      const double exact = std::bit_cast<double>(static_cast<uint64_t>(in[i]) | 0x4330000000000000ull) - 0x1p52;
+      converted[i] = static_cast<float>(exact);
+    }
+  } else {
+    for (size_t i = 0; i < weight.size(); ++i) converted[i] = static_cast<float>(in[i]);
+  }
+  check_loads(out, num_layers, num_logical);
+  if (num_groups <= 0) return false;
+  TF_CHECK_ARG(num_logical % num_groups == 0, "num_groups", num_groups, "must divide the number of logical experts");
+  TF_CHECK_ARG(static_cast<int64_t>(group_loads.size()) == num_layers * num_groups, "group_loads",
+               group_loads.size(), "must have num_layers * num_groups elements");
+  // Every partial sum of loads >= 0 is at most the group's total: integral totals <= 2^24 are
+  // float32-exact, so every summation order (torch's vectorized one included) gives this value.
+  // Loads up to 2^24 are exact in float32 too, so the integer total is the float32 sum.
+  constexpr int64_t kExactLimit = int64_t{1} << 24;
+  const int64_t group_size = num_logical / num_groups;
+  for (int64_t g = 0; g < num_layers * num_groups; ++g) {
+    const Int* member = weight.data() + g * group_size;
+    uint64_t total = 0, bits = 0;  // loads are >= 0 here (checked above)
+    for (int64_t m = 0; m < group_size; ++m) {
+      total += static_cast<uint64_t>(member[m]);
+      bits |= static_cast<uint64_t>(member[m]);
+    }
+    // All loads < 2^25 (so the total did not wrap) and their total <= 2^24.
+    if ((bits >> 25) != 0 || total > static_cast<uint64_t>(kExactLimit)) return false;
+    group_loads[g] = static_cast<float>(total);
+  }
+  return true;
 }
 
 void check_order(std::span<const int64_t> order, int64_t num_rows, int64_t n, const char* name) {
@@ -427,7 +662,8 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
   if (!native_groups) {
     TF_CHECK_ARG(static_cast<int64_t>(group_loads.size()) == L * G, "group_loads", group_loads.size(),
                  "must have num_layers * num_groups elements");
-    if (groups_per_node > 1) check_order(group_order, L, G, "group_order");
+    TF_CHECK_ARG(groups_per_node == 1 || static_cast<int64_t>(group_order.size()) == L * G, "group_order",
+                 group_order.size(), "must have num_layers * num_groups elements");
   }
 
   const int64_t group_size = shape.group_size(), epn = shape.logical_per_node(),
@@ -442,11 +678,14 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
   out.replica_loads.resize(L * N * ppn);
 
   auto body = [&](int64_t begin, int64_t end) {
-    std::vector<float> loads(G), mlog_loads(epn);
+    std::vector<float> loads(G);
     std::vector<int64_t> order(G), group_node(G), group_rank(G);
-    PackHeap<float> pack_heap;
+    FloatPackScratch pack_scratch;
     DescendingSorter sorter;
-    ReplicaHeap<float> replica_heap;
+    // Rows (layer, node) replicate kBatch at a time: their heaps' update chains overlap in the CPU.
+    constexpr int64_t kBatch = 4;
+    std::array<FloatReplicaHeap<true>, kBatch> heaps;
+    std::vector<float> block_mlog_loads((end - begin) * E);  // row-major: row (layer - begin) * N + node
     for (int64_t layer = begin; layer < end; ++layer) {
       const float* w = weight.data() + layer * E;
       if (groups_per_node == 1) {
@@ -468,39 +707,55 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
           group_load = group_loads.data() + layer * G;
           group_desc = group_order.data() + layer * G;
         }
-        pack_row(group_load, group_desc, G, N, group_node.data(), group_rank.data(), pack_heap);
+        pack_rows_float<1, false>(group_load, group_desc, G, N, group_node.data(), group_rank.data(), pack_scratch,
+                                  "group_order");
       }
       int32_t* log2mlog = out.log2mlog.data() + layer * E;
       int32_t* mlog2log = out.mlog2log.data() + layer * E;
+      float* layer_mlog_loads = block_mlog_loads.data() + (layer - begin) * E;
       for (int64_t g = 0, e = 0; g < G; ++g) {
         const int64_t first = (group_node[g] * groups_per_node + group_rank[g]) * group_size;
+        std::copy(w + g * group_size, w + (g + 1) * group_size, layer_mlog_loads + first);
         for (int64_t member = 0; member < group_size; ++member, ++e) {
           log2mlog[e] = static_cast<int32_t>(first + member);
           mlog2log[first + member] = static_cast<int32_t>(e);
         }
       }
-      for (int64_t node = 0; node < N; ++node) {
-        const int64_t row = layer * N + node;
-        for (int64_t m = 0; m < epn; ++m) mlog_loads[m] = w[mlog2log[node * epn + m]];
-        int32_t* phy2mlog = out.phy2mlog.data() + row * ppn;
-        int32_t* phy_rank = out.phy_rank.data() + row * ppn;
-        int32_t* count = out.mlog_count.data() + row * epn;
+    }
+    const int64_t num_rows = (end - begin) * N;
+    for (int64_t first = 0; first < num_rows; first += kBatch) {
+      const int64_t batch = std::min(kBatch, num_rows - first);
+      const int64_t row0 = begin * N + first;  // global row of the batch's first row
+      int32_t* phy2mlogs = out.phy2mlog.data() + row0 * ppn;
+      int32_t* phy_ranks = out.phy_rank.data() + row0 * ppn;
+      for (int64_t b = 0; b < batch; ++b) {
         for (int64_t m = 0; m < epn; ++m) {
-          phy2mlog[m] = static_cast<int32_t>(m);
-          phy_rank[m] = 0;
+          phy2mlogs[b * ppn + m] = static_cast<int32_t>(m);
+          phy_ranks[b * ppn + m] = 0;
         }
-        replica_heap.reset(mlog_loads.data(), epn);
+        heaps[b].reset(block_mlog_loads.data() + (first + b) * epn, epn);
+      }
+      for (int64_t slot = epn; slot < ppn; ++slot) {
+        for (int64_t b = 0; b < batch; ++b) {
+          const auto [expert, rank] = heaps[b].add();
+          phy2mlogs[b * ppn + slot] = static_cast<int32_t>(expert);
+          phy_ranks[b * ppn + slot] = static_cast<int32_t>(rank);
+        }
+      }
+      for (int64_t b = 0; b < batch; ++b) {
+        const float* mlog_loads = block_mlog_loads.data() + (first + b) * epn;
+        const int32_t* phy2mlog = phy2mlogs + b * ppn;
+        // Upstream's weight / logcnt in float32; x / 1 == x, so only replicated experts divide.
+        const int64_t* counts = heaps[b].counts().data();
+        int32_t* count = out.mlog_count.data() + (row0 + b) * epn;
+        for (int64_t m = 0; m < epn; ++m) count[m] = static_cast<int32_t>(counts[m]);
+        float* replica_load = out.replica_loads.data() + (row0 + b) * ppn;
+        std::copy(mlog_loads, mlog_loads + epn, replica_load);
         for (int64_t slot = epn; slot < ppn; ++slot) {
-          const auto [expert, rank] = replica_heap.add();
-          phy2mlog[slot] = static_cast<int32_t>(expert);
-          phy_rank[slot] = static_cast<int32_t>(rank);
+          const int64_t m = phy2mlog[slot];
+          replica_load[m] = mlog_loads[m] / static_cast<float>(counts[m]);
         }
-        std::copy(replica_heap.counts().begin(), replica_heap.counts().end(), count);
-        float* replica_load = out.replica_loads.data() + row * ppn;
-        for (int64_t p = 0; p < ppn; ++p) {
-          const int64_t m = phy2mlog[p];
-          replica_load[p] = mlog_loads[m] / static_cast<float>(count[m]);
-        }
+        for (int64_t slot = epn; slot < ppn; ++slot) replica_load[slot] = replica_load[phy2mlog[slot]];
       }
     }
   };
@@ -517,7 +772,12 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
   const int64_t epn = shape.logical_per_node(), ppn = shape.physical_per_node(),
                 gpn = shape.gpus_per_node(), spg = shape.slots_per_gpu();
   const bool native_order = replica_order.empty();
-  if (!native_order && spg > 1) check_order(replica_order, L * N, ppn, "replica_order");
+  if (!native_order && spg > 1) {
+    TF_CHECK_ARG(static_cast<int64_t>(replica_order.size()) == L * N * ppn, "replica_order",
+                 static_cast<int64_t>(replica_order.size()), "has the wrong number of elements");
+    // The plain greedy checks each row while packing; the duplicate-avoiding one reads it first.
+    if (options.avoid_gpu_duplicates) check_order(replica_order, L * N, ppn, "replica_order");
+  }
 
   Placement out;
   out.phy2log.resize(L * P);
@@ -529,56 +789,86 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
   const int64_t width = out.max_count;
   out.log2phy.resize(L * E * width);
 
+  // Rows (layer, node) are packed kBatch at a time, interleaved (see pack_rows_float).
+  constexpr int kBatch = 4;
+  const bool plain = spg > 1 && !options.refine && !options.avoid_gpu_duplicates;
   auto body = [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> gpu(ppn), rank(ppn), order(ppn);
+    std::vector<int64_t> gpu(kBatch * ppn), rank(kBatch * ppn), order(kBatch * ppn);
     std::vector<int32_t> holds;
-    PackHeap<float> heap;
+    FloatPackScratch scratch;
     DescendingSorter sorter;
-    for (int64_t layer = begin; layer < end; ++layer) {
-      for (int64_t node = 0; node < N; ++node) {
-        const int64_t row = layer * N + node;
-        const float* replica_load = rep.replica_loads.data() + row * ppn;
-        const int32_t* phy2mlog = rep.phy2mlog.data() + row * ppn;
-        if (spg == 1) {
-          std::iota(gpu.begin(), gpu.end(), int64_t{0});
-          std::fill(rank.begin(), rank.end(), 0);
+    for (int64_t first_row = begin * N; first_row < end * N; first_row += kBatch) {
+      const int64_t batch = std::min<int64_t>(kBatch, end * N - first_row);
+      const float* replica_loads = rep.replica_loads.data() + first_row * ppn;
+      const int32_t* phy2mlogs = rep.phy2mlog.data() + first_row * ppn;
+      const int32_t* phy_ranks = rep.phy_rank.data() + first_row * ppn;
+      std::array<RowSlots, kBatch> rows;
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t layer = (first_row + b) / N, node = (first_row + b) % N;
+        rows[b] = {rep.mlog2log.data() + layer * E + node * epn, out.phy2log.data() + layer * P + node * ppn,
+                   out.phy_rank.data() + layer * P + node * ppn, out.log2phy.data() + layer * E * width, width,
+                   node * ppn};
+        if (node == 0) std::fill(rows[b].log2phy, rows[b].log2phy + E * width, int64_t{-1});
+      }
+      const int64_t* desc = nullptr;
+      if (spg > 1) {
+        if (native_order) {
+          for (int64_t b = 0; b < batch; ++b) sorter.sort(replica_loads + b * ppn, ppn, order.data() + b * ppn);
+          desc = order.data();
         } else {
-          const int64_t* desc = nullptr;
-          if (native_order) {
-            sorter.sort(replica_load, ppn, order.data());
-            desc = order.data();
-          } else {
-            desc = replica_order.data() + row * ppn;
-          }
-          if (options.avoid_gpu_duplicates) {
-            pack_row_distinct(replica_load, phy2mlog, epn, desc, ppn, gpn, gpu.data(), rank.data(), holds);
-          } else {
-            pack_row(replica_load, desc, ppn, gpn, gpu.data(), rank.data(), heap);
-          }
-          if (options.refine) {
-            refine_row(replica_load, phy2mlog, ppn, gpn, gpu.data(), rank.data(),
-                       options.avoid_gpu_duplicates);
-          }
-        }
-        const int32_t* mlog2log = rep.mlog2log.data() + layer * E;
-        const int32_t* phy_rank = rep.phy_rank.data() + row * ppn;
-        int64_t* phy2log = out.phy2log.data() + layer * P;
-        int64_t* out_rank = out.phy_rank.data() + layer * P;
-        for (int64_t p = 0; p < ppn; ++p) {
-          const int64_t slot = node * ppn + gpu[p] * spg + rank[p];
-          phy2log[slot] = mlog2log[node * epn + phy2mlog[p]];
-          out_rank[slot] = phy_rank[p];
+          desc = replica_order.data() + first_row * ppn;
         }
       }
+      if (plain) {
+        if (batch == kBatch) {
+          place_rows<kBatch>(replica_loads, desc, phy2mlogs, phy_ranks, ppn, gpn, rows.data(), scratch);
+        } else {
+          for (int64_t b = 0; b < batch; ++b) {
+            place_rows<1>(replica_loads + b * ppn, desc + b * ppn, phy2mlogs + b * ppn, phy_ranks + b * ppn, ppn,
+                          gpn, rows.data() + b, scratch);
+          }
+        }
+        continue;
+      }
+      if (spg == 1) {
+        for (int64_t b = 0; b < batch; ++b) {
+          std::iota(gpu.begin() + b * ppn, gpu.begin() + (b + 1) * ppn, int64_t{0});
+        }
+        std::fill(rank.begin(), rank.end(), 0);
+      } else {
+        for (int64_t b = 0; b < batch; ++b) {
+          if (options.avoid_gpu_duplicates) {
+            pack_row_distinct(replica_loads + b * ppn, phy2mlogs + b * ppn, epn, desc + b * ppn, ppn, gpn,
+                              gpu.data() + b * ppn, rank.data() + b * ppn, holds);
+          } else {
+            pack_rows_float<1, true>(replica_loads + b * ppn, desc + b * ppn, ppn, gpn, gpu.data() + b * ppn,
+                                     rank.data() + b * ppn, scratch, "replica_order");
+          }
+          if (options.refine) {
+            refine_row(replica_loads + b * ppn, phy2mlogs + b * ppn, ppn, gpn, gpu.data() + b * ppn,
+                       rank.data() + b * ppn, options.avoid_gpu_duplicates);
+          }
+        }
+      }
+      for (int64_t b = 0; b < batch; ++b) {
+        const int32_t* phy2mlog = phy2mlogs + b * ppn;
+        const int32_t* phy_rank = phy_ranks + b * ppn;
+        const int64_t* row_gpu = gpu.data() + b * ppn;
+        const int64_t* row_rank = rank.data() + b * ppn;
+        for (int64_t p = 0; p < ppn; ++p) {
+          const int64_t slot = row_gpu[p] * spg + row_rank[p];
+          const int64_t expert = rows[b].mlog2log[phy2mlog[p]];
+          rows[b].phy2log[slot] = expert;
+          rows[b].phy_rank[slot] = phy_rank[p];
+          rows[b].log2phy[expert * width + phy_rank[p]] = rows[b].first_slot + slot;
+        }
+      }
+    }
+    for (int64_t layer = begin; layer < end; ++layer) {
       const int32_t* log2mlog = rep.log2mlog.data() + layer * E;
       const int32_t* counts = rep.mlog_count.data() + layer * E;  // rows of this layer's nodes
       int64_t* logcnt = out.logcnt.data() + layer * E;
       for (int64_t e = 0; e < E; ++e) logcnt[e] = counts[log2mlog[e]];
-      int64_t* log2phy = out.log2phy.data() + layer * E * width;
-      std::fill(log2phy, log2phy + E * width, int64_t{-1});
-      const int64_t* phy2log = out.phy2log.data() + layer * P;
-      const int64_t* phy_rank = out.phy_rank.data() + layer * P;
-      for (int64_t slot = 0; slot < P; ++slot) log2phy[phy2log[slot] * width + phy_rank[slot]] = slot;
     }
   };
   const int threads = effective_threads(num_threads, L * P * (options.refine ? 8 : 1));
@@ -599,10 +889,19 @@ void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t n
                pack_index.size(), "must match weight");
   check_order(order, num_rows, num_items, "order");
   auto body = [&](int64_t begin, int64_t end) {
-    PackHeap<AccOf<Value>> heap;
-    for (int64_t row = begin; row < end; ++row) {
-      pack_row(weight.data() + row * num_items, order.data() + row * num_items, num_items, num_packs,
-               pack_index.data() + row * num_items, rank_in_pack.data() + row * num_items, heap);
+    if constexpr (std::is_same_v<Value, float>) {
+      FloatPackScratch scratch;
+      for (int64_t row = begin; row < end; ++row) {
+        pack_rows_float<1, false>(weight.data() + row * num_items, order.data() + row * num_items, num_items, num_packs,
+                           pack_index.data() + row * num_items, rank_in_pack.data() + row * num_items, scratch,
+                           "order");
+      }
+    } else {
+      PackHeap<AccOf<Value>> heap;
+      for (int64_t row = begin; row < end; ++row) {
+        pack_row(weight.data() + row * num_items, order.data() + row * num_items, num_items, num_packs,
+                 pack_index.data() + row * num_items, rank_in_pack.data() + row * num_items, heap);
+      }
     }
   };
   const int threads = effective_threads(num_threads, num_rows * num_items);
@@ -621,7 +920,7 @@ void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t 
                    rank.size() == phy2log.size() && logcnt.size() == weight.size(),
                "phy2log", phy2log.size(), "has the wrong number of elements");
   auto body = [&](int64_t begin, int64_t end) {
-    ReplicaHeap<QuotientOf<Value>> heap;
+    std::conditional_t<std::is_same_v<QuotientOf<Value>, float>, FloatReplicaHeap<false>, ReplicaHeap<double>> heap;
     for (int64_t row = begin; row < end; ++row) {
       int64_t* row_phy2log = phy2log.data() + row * num_phy;
       int64_t* row_rank = rank.data() + row * num_phy;
@@ -647,6 +946,10 @@ void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t 
                                     int64_t, std::span<int64_t>, std::span<int64_t>, int);          \
   template void replicate_experts<T>(std::span<const T>, int64_t, int64_t, int64_t,                 \
                                      std::span<int64_t>, std::span<int64_t>, std::span<int64_t>, int);
+template bool int_loads<int64_t>(std::span<const int64_t>, int64_t, int64_t, int64_t, std::span<float>,
+                                  std::span<float>);
+template bool int_loads<int32_t>(std::span<const int32_t>, int64_t, int64_t, int64_t, std::span<float>,
+                                  std::span<float>);
 TF_EPLB_INSTANTIATE(float)
 TF_EPLB_INSTANTIATE(double)
 TF_EPLB_INSTANTIATE(int64_t)

@@ -43,6 +43,14 @@ void check_shape(const Shape& shape);
 // Throws std::invalid_argument naming weight[layer, expert] when a load is NaN, infinite or < 0.
 void check_loads(std::span<const float> weight, int64_t num_layers, int64_t num_logical);
 
+// Integer loads [L, E] as float32 (IEEE round-to-nearest, like torch's .float()), checked like
+// check_loads. When num_groups > 0 and every group's float32 sum is exact whatever the order of
+// additions (integral loads, each group's total <= 2^24), also writes those sums into group_loads
+// [L, num_groups] (then equal to torch's sum bit for bit) and returns true.
+template <typename Int>
+bool int_loads(std::span<const Int> weight, int64_t num_layers, int64_t num_logical, int64_t num_groups,
+               std::span<float> out, std::span<float> group_loads);
+
 // Result of stage 1: groups packed onto nodes, then replicas chosen within each node.
 // "mlog" numbers logical experts node-major (node, arrival rank of the group, member).
 struct Replication {

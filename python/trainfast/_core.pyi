@@ -95,6 +95,9 @@ def eplb_place(
     avoid_gpu_duplicates: bool,
     num_threads: int,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+def eplb_int_loads(
+    weight: npt.NDArray[Any], num_groups: int
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32] | None]: ...
 def eplb_balanced_packing(
     weight: npt.NDArray[Any], order: npt.NDArray[np.int64], num_packs: int, num_threads: int
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...

@@ -1,14 +1,17 @@
 """DeepSeek's expert-parallel load balancer (deepseek-ai/EPLB ``eplb.py``), native and drop-in.
 
 ``rebalance_experts`` returns exactly what upstream returns on the same torch build: the two
-descending orders upstream takes from torch's non-stable ``sort`` (and the group loads from torch's
-``sum``) are still taken from torch, everything else (greedy packing with heaps, replication,
-index maps) runs natively, layers in parallel.
+descending orders upstream takes from torch's non-stable ``sort`` are still taken from torch (on
+the same-shaped tensors), and so are the group loads from torch's ``sum`` unless float32 adds
+them exactly in any order (integer loads whose group totals are <= 2^24, summed natively);
+everything else (greedy packing with tournament trees, replication, index maps) runs natively,
+layers in parallel.
 
 Opt-in extras (the default output stays bit-identical):
 
 - ``tie_break="stable"``: fully native and torch-independent; ties go to the lowest index, group
-  loads are float32 sums in index order. Reproducible across torch versions, and the fastest path.
+  loads are float32 sums in index order. Reproducible across torch versions; no torch calls (on
+  short rows, such as one node's replicas, its native sort costs about as much as torch's).
 - ``refine=True``: after the greedy packing, swap replicas between the heaviest GPU of each node
   and the others while that lowers the pair's maximum load (see :func:`balancedness`).
 - ``avoid_gpu_duplicates=True``: the greedy skips GPUs that already hold a replica of the same
@@ -96,6 +99,19 @@ def _float32_cpu(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().cpu().contiguous()
 
 
+_NATIVE_INT_DTYPES = (torch.int64, torch.int32)
+
+
+def _float32_loads(weight: torch.Tensor, num_groups: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(upstream's ``weight.float().cpu()`` as a float32 array, the `[num_layers, num_groups]` group
+    loads or None). Integer CPU loads convert natively (same IEEE rounding, faster than torch) and
+    come with their group sums when float32 adds them exactly in any order, so that they equal
+    torch's; otherwise (None) the caller takes the sums from torch."""
+    if weight.dtype in _NATIVE_INT_DTYPES and weight.device.type == "cpu":
+        return _core.eplb_int_loads(weight.contiguous().numpy(), num_groups)
+    return _float32_cpu(weight).numpy(), None
+
+
 def _check_hierarchical(num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
                         physical_name: str) -> None:
     """Upstream's asserts of the hierarchical policy (messages built only on failure)."""
@@ -121,21 +137,31 @@ def _descending_order(values: torch.Tensor) -> np.ndarray:
     return values.float().sort(-1, descending=True).indices.cpu().numpy()
 
 
-def _run(weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int, *,
-         tie_break: str, refine: bool, avoid_gpu_duplicates: bool, num_threads: int | None) -> tuple[np.ndarray, ...]:
-    """Both stages on float32 CPU ``weight``; returns numpy (phy2log, log2phy, logcnt, phyrank)."""
+def _descending_order_f32(values: np.ndarray) -> np.ndarray:
+    """The same for a float32 CPU array (``.float()`` and ``.cpu()`` would be no-ops)."""
+    return torch.sort(torch.from_numpy(values), -1, True).indices.numpy()
+
+
+def _run(weight: np.ndarray, group_loads: np.ndarray | None, num_physical: int, num_groups: int, num_nodes: int,
+         num_gpus: int, *, tie_break: str, refine: bool, avoid_gpu_duplicates: bool,
+         num_threads: int | None) -> tuple[np.ndarray, ...]:
+    """Both stages on float32 CPU ``weight`` (group_loads: torch's group sums, or None to take them from
+    torch here); returns numpy (phy2log, log2phy, logcnt, phyrank)."""
     threads = resolve_num_threads(num_threads)
-    weight_np = weight.numpy()
-    num_logical = weight.shape[1]
-    group_loads, group_order = _EMPTY_F32, _EMPTY_I64
+    num_layers, num_logical = weight.shape
+    group_order = _EMPTY_I64
     if tie_break == "torch" and num_groups // num_nodes > 1:
-        loads = weight.unflatten(-1, (num_groups, num_logical // num_groups)).sum(-1)
-        group_loads, group_order = loads.numpy(), _descending_order(loads)
-    replication = _core.eplb_replicate(weight_np, num_physical, num_groups, num_nodes, num_gpus, group_loads,
+        if group_loads is None:  # upstream's weight.unflatten(-1, (num_groups, group_size)).sum(-1)
+            grouped = torch.from_numpy(weight).view(num_layers, num_groups, num_logical // num_groups)
+            group_loads = grouped.sum(-1).numpy()
+        group_order = _descending_order_f32(group_loads)
+    else:
+        group_loads = _EMPTY_F32
+    replication = _core.eplb_replicate(weight, num_physical, num_groups, num_nodes, num_gpus, group_loads,
                                        group_order, threads)
     replica_order = _EMPTY_I64
     if tie_break == "torch" and num_physical // num_gpus > 1:
-        replica_order = _descending_order(torch.from_numpy(replication.replica_loads))
+        replica_order = _descending_order_f32(replication.replica_loads)
     return _core.eplb_place(replication, replica_order, bool(refine), bool(avoid_gpu_duplicates), threads)
 
 
@@ -195,9 +221,10 @@ def rebalance_experts(
     else:  # upstream's global policy
         _check_hierarchical(num_logical, num_replicas, 1, 1, num_gpus, "num_replicas")
         groups, nodes = 1, 1
+    sum_groups = groups if tie_break == "torch" and groups // nodes > 1 else 0
     phy2log, log2phy, logcnt, phyrank = _run(
-        _float32_cpu(tensor), num_replicas, groups, nodes, num_gpus, tie_break=tie_break, refine=refine,
-        avoid_gpu_duplicates=avoid_gpu_duplicates, num_threads=num_threads)
+        *_float32_loads(tensor, sum_groups), num_replicas, groups, nodes, num_gpus, tie_break=tie_break,
+        refine=refine, avoid_gpu_duplicates=avoid_gpu_duplicates, num_threads=num_threads)
     if previous_phy2log is not None:
         phy2log, log2phy = _keep_previous_slots(previous_phy2log, phy2log, phyrank, log2phy.shape,
                                                 num_replicas // num_gpus, num_gpus // nodes)
@@ -231,8 +258,8 @@ def rebalance_experts_hierarchical(
     _check_hierarchical(tensor.shape[1], num_physical_experts, num_groups, num_nodes, num_gpus,
                         "num_physical_experts")
     phy2log, _, logcnt, phyrank = _run(
-        _float32_cpu(tensor), num_physical_experts, num_groups, num_nodes, num_gpus, tie_break=tie_break,
-        refine=False, avoid_gpu_duplicates=False, num_threads=num_threads)
+        _float32_cpu(tensor).numpy(), None, num_physical_experts, num_groups, num_nodes, num_gpus,
+        tie_break=tie_break, refine=False, avoid_gpu_duplicates=False, num_threads=num_threads)
     return torch.from_numpy(phy2log), torch.from_numpy(phyrank), torch.from_numpy(logcnt)
 
 

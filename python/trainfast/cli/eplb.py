@@ -95,6 +95,8 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
     from trainfast import eplb
 
     gpus = check_int(gpus, "--gpus", min_value=1)
+    if plot:
+        _figure_class()  # fail before any work when the optional dependency is missing
     weight = load_loads(loads) if loads else synthetic_loads()
     if weight.dim() != 2:
         raise ValueError(f"loads must be 2-D [layers, experts] (got shape {tuple(weight.shape)})")
@@ -131,26 +133,42 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
     return 0
 
 
-def _plot(path: str, naive: Any, after: Any, refined: Any) -> None:
+def _figure_class() -> Any:
+    """matplotlib's Figure (drawn by its Agg backend when saved as PNG: no display, no pyplot state)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as error:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from error
+        raise ValueError("--plot needs matplotlib, an optional dependency: pip install 'trainfast[plot]' "
+                         "(or pip install matplotlib)") from error
+    return Figure
+
+
+def _plot(path: str, naive: Any, after: Any, refined: Any) -> None:
+    """Bar chart of each GPU's peak load (its load over the layer's mean GPU load, max over layers:
+    what the slowest GPU costs), written atomically as PNG to ``path``."""
+    import io
+
+    import numpy as np
+
+    from trainfast._util import write_atomic
+
     num_gpus = naive.shape[1]
-    fig, ax = plt.subplots(figsize=(max(6, num_gpus * 0.2), 3.5))
+    fig = _figure_class()(figsize=(max(6.0, num_gpus * 0.25), 3.5))
+    ax = fig.add_subplot()
     series = [("without EPLB", naive), ("EPLB", after)] + ([("EPLB + refine", refined)] if refined is not None else [])
     width = 0.8 / len(series)
     for k, (label, loads) in enumerate(series):
-        ax.bar([g + k * width for g in range(num_gpus)], loads.mean(0), width=width, label=label)
+        relative = loads / np.maximum(loads.mean(-1, keepdims=True), 1e-30)
+        ax.bar([g + k * width for g in range(num_gpus)], relative.max(0), width=width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xlabel("GPU")
-    ax.set_ylabel("load (tokens, mean over layers)")
-    ax.legend()
+    ax.set_ylabel("peak load / mean GPU load")
+    ax.set_title("per-GPU load, max over layers (1.0 = perfectly balanced)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    write_atomic(path, buffer.getvalue())
 
 
 def _python_reference() -> tuple[str, Any] | None:
