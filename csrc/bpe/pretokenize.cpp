@@ -614,6 +614,15 @@ class CountTable {
 
   CountTable() { reset(kInitialBits); }
 
+  // An empty table for about `expected` keys of one of `num_shards` tag ranges (see add_shard):
+  // its home slots spread that range over the whole table.
+  void reset_for_shard(size_t expected, uint32_t num_shards) {
+    int bits = kInitialBits;
+    while (bits < 32 && (size_t{3} << bits) / 4 < expected) ++bits;
+    reset(bits);
+    spread_ = num_shards;
+  }
+
   // `readable`: bytes readable from `data` (>= len); with 16 the short words take two plain loads.
   [[gnu::always_inline]] static inline Key make_key(const uint8_t* data, uint32_t len, size_t readable) {
     Key key{data, 0, 0, 0};
@@ -668,6 +677,7 @@ class CountTable {
     const uint64_t end_tag = shard + 1 == num_shards ? uint64_t{1} << 32
                                                      : ((uint64_t{shard + 1} << 32) + num_shards - 1) / num_shards;
     const size_t cap = other.slots_.size();
+    if (other.spread_ != 1) throw std::logic_error("add_shard: the source table holds a shard");
     // Entries sit at or after their home slot, in the same run of occupied slots; a shard's last
     // run may wrap around the end of the table.
     const size_t from = other.home_of_tag(first_tag);
@@ -720,14 +730,17 @@ class CountTable {
   static constexpr int kInitialBits = 12;
   static constexpr size_t kMaxEntries = size_t{3} << 30;
 
-  [[gnu::always_inline]] inline size_t home(uint64_t meta) const { return static_cast<size_t>((meta >> 32) >> shift_); }
-  size_t home_of_tag(uint64_t tag) const { return static_cast<size_t>(tag >> shift_); }
+  [[gnu::always_inline]] inline size_t home(uint64_t meta) const {
+    return static_cast<size_t>(static_cast<uint32_t>(static_cast<uint32_t>(meta >> 32) * spread_) >> shift_);
+  }
+  size_t home_of_tag(uint64_t tag) const { return static_cast<size_t>(tag >> shift_); }  // with spread_ == 1
 
   void reset(int bits) {
     std::vector<Slot>(size_t{1} << bits, Slot{0, 0, 0, 0}).swap(slots_);
     std::vector<int64_t>(size_t{1} << bits, 0).swap(positions_);
     mask_ = slots_.size() - 1;
     shift_ = 32 - bits;
+    spread_ = 1;
     size_ = 0;
     std::vector<uint8_t>().swap(arena_);
   }
@@ -768,7 +781,8 @@ class CountTable {
   std::vector<Slot> slots_;
   std::vector<int64_t> positions_;  // first position of each slot's key (in the input stream)
   size_t mask_ = 0;
-  int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
+  int shift_ = 32;                  // home = (tag * spread_ mod 2^32) >> shift_; capacity 2^(32 - shift_)
+  uint32_t spread_ = 1;             // the number of shards when this table holds one shard
   size_t size_ = 0;
   std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
 };
@@ -1352,7 +1366,7 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
   impl.count_chunks(chunks, interrupt, bytes_done);
 }
 
-PretokenCounts PretokenCounter::finish() {
+FlatPretokenCounts PretokenCounter::finish_flat() {
   Impl& impl = *impl_;
   const int num_threads = impl.options.num_threads;
   std::vector<CountTable*> sources;
@@ -1367,47 +1381,68 @@ PretokenCounts PretokenCounter::finish() {
   } else {
     const auto num_shards = static_cast<uint32_t>(num_threads);
     merged.resize(num_shards);
+    size_t total = 0;
+    for (const CountTable* source : sources) total += source->size();
     run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
+      // Sized ahead: entries arrive in home order, which would pile up in a table that grows.
+      merged[shard].reset_for_shard(total / num_shards + total / num_shards / 8 + 64, num_shards);
       for (const CountTable* source : sources) merged[shard].add_shard(*source, static_cast<uint32_t>(shard), num_shards);
     });
     for (CountTable* source : sources) source->clear();
     for (const CountTable& table : merged) shards.push_back(&table);
   }
   // First-occurrence order: positions are unique, so the order does not depend on the threads.
-  std::vector<std::vector<std::pair<int64_t, uint32_t>>> orders(shards.size());
-  run_workers(shards.size(), num_threads, nullptr, [&](size_t k, int) { orders[k] = shards[k]->sorted_by_position(); });
-  struct Ref {
-    int64_t pos;
-    uint32_t shard;
-    uint32_t idx;
-    bool operator<(const Ref& other) const { return pos < other.pos; }
-  };
-  std::vector<Ref> order;
-  std::vector<size_t> bounds{0};
-  for (size_t k = 0; k < orders.size(); ++k) {
-    for (const auto& [pos, idx] : orders[k]) order.push_back({pos, static_cast<uint32_t>(k), idx});
-    std::vector<std::pair<int64_t, uint32_t>>().swap(orders[k]);
-    bounds.push_back(order.size());
-  }
-  for (size_t k = 2; k < bounds.size(); ++k) {
-    std::inplace_merge(order.begin(), order.begin() + static_cast<ptrdiff_t>(bounds[k - 1]),
-                       order.begin() + static_cast<ptrdiff_t>(bounds[k]));
-  }
-  PretokenCounts out;
-  out.pretokens.resize(order.size());
-  out.counts.resize(order.size());
-  constexpr size_t kFillBlock = 1 << 14;
-  run_workers((order.size() + kFillBlock - 1) / kFillBlock, num_threads, nullptr, [&](size_t block, int) {
-    const size_t end = std::min(order.size(), (block + 1) * kFillBlock);
-    for (size_t k = block * kFillBlock; k < end; ++k) {
-      const CountTable& table = *shards[order[k].shard];
-      const CountTable::Slot& slot = table.slot(order[k].idx);
-      out.pretokens[k].assign(reinterpret_cast<const char*>(table.key_bytes(slot)), slot.len());
-      out.counts[k] = slot.count;
+  // Each shard sorts its entries; an entry's rank is its index in its shard plus the number of
+  // entries of the other shards at smaller positions. Only the prefix sum of lengths is serial.
+  const size_t num_shards = shards.size();
+  std::vector<std::vector<std::pair<int64_t, uint32_t>>> orders(num_shards);
+  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) { orders[k] = shards[k]->sorted_by_position(); });
+  size_t num_entries = 0;
+  for (const auto& order : orders) num_entries += order.size();
+  FlatPretokenCounts out;
+  out.offsets.assign(num_entries + 1, 0);
+  out.counts.resize(num_entries);
+  std::vector<std::vector<uint32_t>> ranks(num_shards);
+  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
+    const auto& order = orders[k];
+    std::vector<size_t> before(num_shards, 0);  // entries of shard m at positions below the current one
+    ranks[k].resize(order.size());
+    for (size_t j = 0; j < order.size(); ++j) {
+      const int64_t pos = order[j].first;
+      size_t rank = j;
+      for (size_t m = 0; m < num_shards; ++m) {
+        if (m == k) continue;
+        while (before[m] < orders[m].size() && orders[m][before[m]].first < pos) ++before[m];
+        rank += before[m];
+      }
+      const CountTable::Slot& slot = shards[k]->slot(order[j].second);
+      ranks[k][j] = static_cast<uint32_t>(rank);
+      out.offsets[rank + 1] = slot.len();
+      out.counts[rank] = slot.count;
+    }
+  });
+  for (size_t k = 0; k < num_entries; ++k) out.offsets[k + 1] += out.offsets[k];
+  out.bytes.resize(out.offsets[num_entries]);
+  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
+    const CountTable& table = *shards[k];
+    for (size_t j = 0; j < orders[k].size(); ++j) {
+      const CountTable::Slot& slot = table.slot(orders[k][j].second);
+      std::memcpy(out.bytes.data() + out.offsets[ranks[k][j]], table.key_bytes(slot), slot.len());
     }
   });
   for (CountTable& table : impl.tables) table.clear();
   impl.stream_pos = 0;
+  return out;
+}
+
+PretokenCounts PretokenCounter::finish() {
+  FlatPretokenCounts flat = finish_flat();
+  PretokenCounts out;
+  out.counts = std::move(flat.counts);
+  out.pretokens.resize(out.counts.size());
+  for (size_t k = 0; k < out.counts.size(); ++k) {
+    out.pretokens[k].assign(flat.bytes, flat.offsets[k], flat.offsets[k + 1] - flat.offsets[k]);
+  }
   return out;
 }
 
