@@ -274,6 +274,7 @@ template <typename Emit>
 [[gnu::always_inline]] inline void gpt2_scan(const uint8_t* s, size_t n, Emit&& emit) {
   alignas(64) uint8_t tail[64];
   size_t i = 0;
+  size_t fallback_bytes = 16;
   while (i < n) {
     const size_t avail = n - i;
     const bool last = avail <= 64;
@@ -326,10 +327,13 @@ template <typename Emit>
     }
     if (begin > i) {
       i = begin;
+      fallback_bytes = 16;
       continue;
     }
-    // No pre-token ends inside the window (a long one, or non-ASCII text): scan one by one for a while.
-    const size_t until = std::min(n, i + 16);
+    // No pre-token ends inside the window (a long one, or non-ASCII text): scan one by one for a
+    // while, longer each time this repeats (text in other scripts rarely has ASCII windows).
+    const size_t until = std::min(n, i + fallback_bytes);
+    fallback_bytes = std::min<size_t>(fallback_bytes * 2, 4096);
     while (i < until) {
       const size_t end = gpt2_next(s, i, n);
       emit(i, end);
@@ -570,27 +574,36 @@ inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
   return mix64(h);
 }
 
-// Sorts (position, index) pairs by position (unique, >= 0): LSD radix sort on 11-bit digits,
-// which beats comparison sorting on the hundreds of thousands of entries of a large table.
-inline void sort_by_position(std::vector<std::pair<int64_t, uint32_t>>& items) {
+// Sorts items by their `pos` (unique, >= 0): LSD radix sort on 11-bit digits, which beats
+// comparison sorting on the hundreds of thousands of entries of a large table.
+template <typename Item>
+void sort_by_position(std::vector<Item>& items) {
   if (items.size() < 4096) {
-    std::sort(items.begin(), items.end());
+    std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.pos < b.pos; });
     return;
   }
   int64_t max_pos = 0;
-  for (const auto& item : items) max_pos = std::max(max_pos, item.first);
+  for (const Item& item : items) max_pos = std::max(max_pos, item.pos);
   constexpr int kBits = 11;
-  std::vector<std::pair<int64_t, uint32_t>> scratch(items.size());
+  std::vector<Item> scratch(items.size());
   std::vector<size_t> starts(size_t{1} << kBits);
   for (int shift = 0; shift < 63 && (max_pos >> shift) != 0; shift += kBits) {
     std::fill(starts.begin(), starts.end(), 0);
-    for (const auto& item : items) ++starts[(item.first >> shift) & ((1 << kBits) - 1)];
+    for (const Item& item : items) ++starts[(item.pos >> shift) & ((1 << kBits) - 1)];
     size_t sum = 0;
     for (size_t& start : starts) sum += std::exchange(start, sum);
-    for (const auto& item : items) scratch[starts[(item.first >> shift) & ((1 << kBits) - 1)]++] = item;
+    for (const Item& item : items) scratch[starts[(item.pos >> shift) & ((1 << kBits) - 1)]++] = item;
     items.swap(scratch);
   }
 }
+
+// One unique pre-token of the final result: its bytes stay in (and point into) a count table.
+struct CountedKey {
+  int64_t pos;  // first position
+  int64_t count;
+  const uint8_t* bytes;
+  uint64_t len;
+};
 
 class CountTable {
  public:
@@ -613,15 +626,6 @@ class CountTable {
   };
 
   CountTable() { reset(kInitialBits); }
-
-  // An empty table for about `expected` keys of one of `num_shards` tag ranges (see add_shard):
-  // its home slots spread that range over the whole table.
-  void reset_for_shard(size_t expected, uint32_t num_shards) {
-    int bits = kInitialBits;
-    while (bits < 32 && (size_t{3} << bits) / 4 < expected) ++bits;
-    reset(bits);
-    spread_ = num_shards;
-  }
 
   // `readable`: bytes readable from `data` (>= len); with 16 the short words take two plain loads.
   [[gnu::always_inline]] static inline Key make_key(const uint8_t* data, uint32_t len, size_t readable) {
@@ -650,8 +654,7 @@ class CountTable {
   [[gnu::always_inline]] inline void prefetch(const Key& key) const { __builtin_prefetch(&slots_[home(key.meta)]); }
 
   // Counts a pre-token at stream position `pos`. A worker counts its chunks in stream order, so
-  // a key's first add has its first position; merging (kKeepMin) takes the minimum.
-  template <bool kKeepMin = false>
+  // a key's first add has its first position.
   [[gnu::always_inline]] inline void add(const Key& key, int64_t pos, int64_t count = 1) {
     const uint32_t len = static_cast<uint32_t>(key.meta);
     for (size_t idx = home(key.meta);; idx = (idx + 1) & mask_) {
@@ -664,60 +667,66 @@ class CountTable {
           (len <= kInlineBytes ? slot.w1 == key.w1
                                : std::memcmp(arena_.data() + slot.w1 + 8, key.data + 8, len - 8) == 0)) {
         slot.count += count;
-        if (kKeepMin && pos < positions_[idx]) positions_[idx] = pos;
         return;
       }
     }
   }
 
-  // Adds every entry of `other` whose tag t has shard_of(t) == shard, where shard_of(t) =
-  // t * num_shards >> 32 (tags, and so home slots, of one shard form one contiguous range).
-  void add_shard(const CountTable& other, uint32_t shard, uint32_t num_shards) {
+  // Appends the slot indices of every entry whose tag t has shard_of(t) == shard, where
+  // shard_of(t) = t * num_shards >> 32, sorted by key (tag, length, bytes). A shard's tags form
+  // one contiguous range, so its entries sit in one stretch of slots, nearly in tag order.
+  void gather_shard(uint32_t shard, uint32_t num_shards, std::vector<uint32_t>& out) const {
     const uint64_t first_tag = (uint64_t{shard} << 32) / num_shards + ((uint64_t{shard} << 32) % num_shards != 0);
     const uint64_t end_tag = shard + 1 == num_shards ? uint64_t{1} << 32
                                                      : ((uint64_t{shard + 1} << 32) + num_shards - 1) / num_shards;
-    const size_t cap = other.slots_.size();
-    if (other.spread_ != 1) throw std::logic_error("add_shard: the source table holds a shard");
-    // Entries sit at or after their home slot, in the same run of occupied slots; a shard's last
-    // run may wrap around the end of the table.
-    const size_t from = other.home_of_tag(first_tag);
-    const size_t last_home = other.home_of_tag(end_tag - 1);
+    const size_t cap = slots_.size();
+    // Entries sit at or after their home slot, in the same run of occupied slots; the last run
+    // may wrap around the end of the table.
+    const size_t from = home_of_tag(first_tag);
+    const size_t last_home = home_of_tag(end_tag - 1);
+    const size_t begin = out.size();
     auto take = [&](size_t idx) {
-      const Slot& slot = other.slots_[idx];
-      if (slot.count == 0 || ((uint64_t{slot.tag()} * num_shards) >> 32) != shard) return;
-      Key key{nullptr, slot.w0, slot.w1, slot.meta};
-      if (slot.len() > kInlineBytes) key.data = other.arena_.data() + slot.w1;
-      add<true>(key, other.positions_[idx], slot.count);
+      const Slot& slot = slots_[idx];
+      if (slot.count != 0 && ((uint64_t{slot.tag()} * num_shards) >> 32) == shard) out.push_back(static_cast<uint32_t>(idx));
     };
     size_t idx = from;
-    for (; idx < cap && (idx <= last_home || other.slots_[idx].count != 0); ++idx) take(idx);
+    for (; idx < cap && (idx <= last_home || slots_[idx].count != 0); ++idx) take(idx);
     if (idx == cap) {
-      for (idx = 0; idx < cap && other.slots_[idx].count != 0; ++idx) take(idx);
+      for (idx = 0; idx < from && slots_[idx].count != 0; ++idx) take(idx);
+    }
+    // Insertion sort: entries are out of tag order only within a run of occupied slots.
+    for (size_t k = begin + 1; k < out.size(); ++k) {
+      const uint32_t item = out[k];
+      size_t j = k;
+      for (; j > begin && key_less(item, out[j - 1]); --j) out[j] = out[j - 1];
+      out[j] = item;
     }
   }
 
-  // fn(bytes, len, count, first_pos) for every entry, in slot order.
+  // Key order across tables: (tag, length), then the bytes.
+  bool key_less(uint32_t a, uint32_t b) const { return compare_keys(*this, a, *this, b) < 0; }
+  static int compare_keys(const CountTable& ta, uint32_t a, const CountTable& tb, uint32_t b) {
+    const Slot& x = ta.slots_[a];
+    const Slot& y = tb.slots_[b];
+    if (x.meta != y.meta) return x.meta < y.meta ? -1 : 1;
+    if (x.w0 != y.w0) return x.w0 < y.w0 ? -1 : 1;
+    if (x.len() <= kInlineBytes) return x.w1 == y.w1 ? 0 : x.w1 < y.w1 ? -1 : 1;
+    return std::memcmp(ta.arena_.data() + x.w1, tb.arena_.data() + y.w1, x.len());
+  }
+
+  CountedKey counted(uint32_t idx) const {
+    const Slot& slot = slots_[idx];
+    return {positions_[idx], slot.count, key_bytes(slot), slot.len()};
+  }
+
+  // fn(slot index, first position) for every entry.
   template <typename Fn>
-  void for_each(Fn&& fn) const {
+  void for_each_index(Fn&& fn) const {
     for (size_t idx = 0; idx < slots_.size(); ++idx) {
-      const Slot& slot = slots_[idx];
-      if (slot.count == 0) continue;
-      fn(key_bytes(slot), slot.len(), slot.count, positions_[idx]);
+      if (slots_[idx].count != 0) fn(static_cast<uint32_t>(idx), positions_[idx]);
     }
   }
 
-  // (first_pos, slot index) of every entry, sorted by first_pos.
-  std::vector<std::pair<int64_t, uint32_t>> sorted_by_position() const {
-    std::vector<std::pair<int64_t, uint32_t>> order;
-    order.reserve(size_);
-    for (size_t idx = 0; idx < slots_.size(); ++idx) {
-      if (slots_[idx].count != 0) order.emplace_back(positions_[idx], static_cast<uint32_t>(idx));
-    }
-    sort_by_position(order);
-    return order;
-  }
-
-  const Slot& slot(uint32_t idx) const { return slots_[idx]; }
   // The key bytes of a slot: inline ones are read in place (the slot is little-endian bytes).
   const uint8_t* key_bytes(const Slot& slot) const {
     return slot.len() <= kInlineBytes ? reinterpret_cast<const uint8_t*>(&slot.w0) : arena_.data() + slot.w1;
@@ -730,17 +739,14 @@ class CountTable {
   static constexpr int kInitialBits = 12;
   static constexpr size_t kMaxEntries = size_t{3} << 30;
 
-  [[gnu::always_inline]] inline size_t home(uint64_t meta) const {
-    return static_cast<size_t>(static_cast<uint32_t>(static_cast<uint32_t>(meta >> 32) * spread_) >> shift_);
-  }
-  size_t home_of_tag(uint64_t tag) const { return static_cast<size_t>(tag >> shift_); }  // with spread_ == 1
+  [[gnu::always_inline]] inline size_t home(uint64_t meta) const { return static_cast<size_t>((meta >> 32) >> shift_); }
+  size_t home_of_tag(uint64_t tag) const { return static_cast<size_t>(tag >> shift_); }
 
   void reset(int bits) {
     std::vector<Slot>(size_t{1} << bits, Slot{0, 0, 0, 0}).swap(slots_);
     std::vector<int64_t>(size_t{1} << bits, 0).swap(positions_);
     mask_ = slots_.size() - 1;
     shift_ = 32 - bits;
-    spread_ = 1;
     size_ = 0;
     std::vector<uint8_t>().swap(arena_);
   }
@@ -781,8 +787,7 @@ class CountTable {
   std::vector<Slot> slots_;
   std::vector<int64_t> positions_;  // first position of each slot's key (in the input stream)
   size_t mask_ = 0;
-  int shift_ = 32;                  // home = (tag * spread_ mod 2^32) >> shift_; capacity 2^(32 - shift_)
-  uint32_t spread_ = 1;             // the number of shards when this table holds one shard
+  int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
   size_t size_ = 0;
   std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
 };
@@ -1369,34 +1374,72 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
 FlatPretokenCounts PretokenCounter::finish_flat() {
   Impl& impl = *impl_;
   const int num_threads = impl.options.num_threads;
-  std::vector<CountTable*> sources;
-  for (CountTable& table : impl.tables) {
+  std::vector<const CountTable*> sources;
+  for (const CountTable& table : impl.tables) {
     if (table.size() > 0) sources.push_back(&table);
   }
-  // Several tables merge in parallel: shard p (a range of hash tags) of every table goes to merged[p].
-  std::vector<CountTable> merged;
-  std::vector<const CountTable*> shards;
-  if (sources.size() <= 1) {
-    if (!sources.empty()) shards.push_back(sources[0]);
-  } else {
-    const auto num_shards = static_cast<uint32_t>(num_threads);
-    merged.resize(num_shards);
-    size_t total = 0;
-    for (const CountTable* source : sources) total += source->size();
+  // Shard k (a range of hash tags) of every table is merged by one worker: each table lists its
+  // shard's entries sorted by key, and a merge of those lists sums the counts of equal keys and
+  // keeps their first position. Then each shard sorts its keys by first position.
+  const size_t num_shards = sources.size() <= 1 ? 1 : static_cast<size_t>(num_threads);
+  std::vector<std::vector<CountedKey>> shards(num_shards);
+  if (sources.size() > 1) {
     run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
-      // Sized ahead: entries arrive in home order, which would pile up in a table that grows.
-      merged[shard].reset_for_shard(total / num_shards + total / num_shards / 8 + 64, num_shards);
-      for (const CountTable* source : sources) merged[shard].add_shard(*source, static_cast<uint32_t>(shard), num_shards);
+      const size_t num_sources = sources.size();
+      std::vector<std::vector<uint32_t>> lists(num_sources);
+      size_t total = 0;
+      for (size_t t = 0; t < num_sources; ++t) {
+        sources[t]->gather_shard(static_cast<uint32_t>(shard), static_cast<uint32_t>(num_shards), lists[t]);
+        total += lists[t].size();
+      }
+      std::vector<CountedKey>& out = shards[shard];
+      out.reserve(total);
+      std::vector<size_t> heads(num_sources, 0);
+      while (true) {
+        size_t best = num_sources;
+        for (size_t t = 0; t < num_sources; ++t) {
+          if (heads[t] == lists[t].size()) continue;
+          if (best == num_sources ||
+              CountTable::compare_keys(*sources[t], lists[t][heads[t]], *sources[best], lists[best][heads[best]]) < 0) {
+            best = t;
+          }
+        }
+        if (best == num_sources) break;
+        CountedKey key = sources[best]->counted(lists[best][heads[best]]);
+        for (size_t t = 0; t < num_sources; ++t) {
+          if (t == best || heads[t] == lists[t].size()) continue;
+          if (CountTable::compare_keys(*sources[t], lists[t][heads[t]], *sources[best], lists[best][heads[best]]) == 0) {
+            const CountedKey other = sources[t]->counted(lists[t][heads[t]]);
+            key.count += other.count;
+            key.pos = std::min(key.pos, other.pos);
+            ++heads[t];
+          }
+        }
+        ++heads[best];
+        out.push_back(key);
+      }
     });
-    for (CountTable* source : sources) source->clear();
-    for (const CountTable& table : merged) shards.push_back(&table);
   }
   // First-occurrence order: positions are unique, so the order does not depend on the threads.
-  // Each shard sorts its entries; an entry's rank is its index in its shard plus the number of
-  // entries of the other shards at smaller positions. Only the prefix sum of lengths is serial.
-  const size_t num_shards = shards.size();
-  std::vector<std::vector<std::pair<int64_t, uint32_t>>> orders(num_shards);
-  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) { orders[k] = shards[k]->sorted_by_position(); });
+  // An entry's rank is its index in its (sorted) shard plus the number of entries of the other
+  // shards at smaller positions. Only the prefix sum of lengths is serial.
+  struct Order {
+    int64_t pos;
+    uint32_t idx;
+  };
+  std::vector<std::vector<Order>> orders(num_shards);
+  const bool single = sources.size() == 1;  // then entries are read from the table in place
+  auto key_of = [&](size_t k, uint32_t idx) { return single ? sources[0]->counted(idx) : shards[k][idx]; };
+  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
+    if (single) {
+      orders[k].reserve(sources[0]->size());
+      sources[0]->for_each_index([&](uint32_t idx, int64_t pos) { orders[k].push_back({pos, idx}); });
+    } else {
+      orders[k].resize(shards[k].size());
+      for (size_t j = 0; j < shards[k].size(); ++j) orders[k][j] = {shards[k][j].pos, static_cast<uint32_t>(j)};
+    }
+    sort_by_position(orders[k]);
+  });
   size_t num_entries = 0;
   for (const auto& order : orders) num_entries += order.size();
   FlatPretokenCounts out;
@@ -1404,32 +1447,31 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
   out.counts.resize(num_entries);
   std::vector<std::vector<uint32_t>> ranks(num_shards);
   run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
-    const auto& order = orders[k];
     std::vector<size_t> before(num_shards, 0);  // entries of shard m at positions below the current one
-    ranks[k].resize(order.size());
-    for (size_t j = 0; j < order.size(); ++j) {
-      const int64_t pos = order[j].first;
+    ranks[k].resize(orders[k].size());
+    for (size_t j = 0; j < orders[k].size(); ++j) {
+      const int64_t pos = orders[k][j].pos;
       size_t rank = j;
       for (size_t m = 0; m < num_shards; ++m) {
         if (m == k) continue;
-        while (before[m] < orders[m].size() && orders[m][before[m]].first < pos) ++before[m];
+        while (before[m] < orders[m].size() && orders[m][before[m]].pos < pos) ++before[m];
         rank += before[m];
       }
-      const CountTable::Slot& slot = shards[k]->slot(order[j].second);
+      const CountedKey key = key_of(k, orders[k][j].idx);
       ranks[k][j] = static_cast<uint32_t>(rank);
-      out.offsets[rank + 1] = slot.len();
-      out.counts[rank] = slot.count;
+      out.offsets[rank + 1] = key.len;
+      out.counts[rank] = key.count;
     }
   });
   for (size_t k = 0; k < num_entries; ++k) out.offsets[k + 1] += out.offsets[k];
   out.bytes.resize(out.offsets[num_entries]);
   run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
-    const CountTable& table = *shards[k];
     for (size_t j = 0; j < orders[k].size(); ++j) {
-      const CountTable::Slot& slot = table.slot(orders[k][j].second);
-      std::memcpy(out.bytes.data() + out.offsets[ranks[k][j]], table.key_bytes(slot), slot.len());
+      const CountedKey key = key_of(k, orders[k][j].idx);
+      std::memcpy(out.bytes.data() + out.offsets[ranks[k][j]], key.bytes, key.len);
     }
   });
+  shards.clear();
   for (CountTable& table : impl.tables) table.clear();
   impl.stream_pos = 0;
   return out;
