@@ -1445,7 +1445,7 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
   FlatPretokenCounts out;
   out.offsets.assign(num_entries + 1, 0);
   out.counts.resize(num_entries);
-  std::vector<std::vector<uint32_t>> ranks(num_shards);
+  std::vector<std::vector<size_t>> ranks(num_shards);
   run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
     std::vector<size_t> before(num_shards, 0);  // entries of shard m at positions below the current one
     ranks[k].resize(orders[k].size());
@@ -1458,7 +1458,7 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
         rank += before[m];
       }
       const CountedKey key = key_of(k, orders[k][j].idx);
-      ranks[k][j] = static_cast<uint32_t>(rank);
+      ranks[k][j] = rank;
       out.offsets[rank + 1] = key.len;
       out.counts[rank] = key.count;
     }
