@@ -4,11 +4,15 @@ One run times, on gcide (English) and multilingual (26 languages) from ../shared
   - regex:       Counter(t.encode() for t in regex.findall(PATTERN, text)), one thread
   - HF ByteLevel: tokenizers' ByteLevel(use_regex=True).pre_tokenize_str(text) (GPT-2 pattern
                   via Oniguruma, output mapped to byte-level characters; no counting), one thread
-  - trainfast:   count_pretokens(path) with 1 thread and with every core; pretokenize(text) -> list[str]
+  - trainfast:   count_pretokens(path) with 1 thread and with every core, split in two phases:
+                 "scan+count" = file read (mmap) + UTF-8 check/decode + scan + count + merge of the
+                 per-thread tables into flat arrays in first-occurrence order (the native counter's
+                 add_file + finish_arrays), and "+dict" = the whole public call, which also builds the
+                 dict[bytes, int] (Python objects, one thread, GIL held); pretokenize(text) -> list[str]
 The Python baselines run on the first --baseline-mb MB of each corpus (they take ~10 s per 40 MB);
-native timings use the whole file. MB/s are decoded MB of text per second of wall time; "MB per
-CPU-s" divides by the CPU time the process used instead, which stays meaningful when the machine
-is shared.
+native timings use the whole file. MB/s are decoded MB of text per second of wall time (best of the
+repeats); "per CPU-s" divides by the CPU time the process used instead (user + sys, all threads),
+which stays meaningful when the machine is shared.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import markdown_table, parse_args, timeit, write_section  # noqa: E402
+from _common import markdown_table, parse_args, write_section  # noqa: E402
 
 from trainfast._util import resolve_num_threads  # noqa: E402
 from trainfast.bpe import PATTERNS, count_pretokens, pretokenize  # noqa: E402
@@ -46,17 +50,15 @@ def cpu_seconds() -> float:
 
 
 def timed(fn, repeats: int):
-    """(result, median wall s, min CPU s per call)."""
-    cpu = []
-
-    def wrapped():
-        start = cpu_seconds()
+    """(result, best wall s, best CPU s) over `repeats` calls: the best run is the one least disturbed."""
+    walls, cpus = [], []
+    result = None
+    for _ in range(repeats):
+        cpu_start, wall_start = cpu_seconds(), time.perf_counter()
         result = fn()
-        cpu.append(cpu_seconds() - start)
-        return result
-
-    result, wall = timeit(wrapped, repeats=repeats)
-    return result, wall, min(cpu)
+        walls.append(time.perf_counter() - wall_start)
+        cpus.append(cpu_seconds() - cpu_start)
+    return result, min(walls), min(cpus)
 
 
 def _spin(n: int) -> None:
@@ -85,9 +87,12 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     import regex
 
+    from trainfast import _core
+
     baseline_mb = 2 if args.quick else 8
-    repeats = 1 if args.quick else 3
+    repeats = 2 if args.quick else 5
     threads = resolve_num_threads(None)
+    native_id = {"gpt2": 0, "cl100k": 1, "o200k": 2}
     rows = []
     for corpus in ["gcide", "multilingual"]:
         path = corpus_path(corpus)
@@ -102,16 +107,43 @@ def main() -> None:
             expected, regex_s, regex_cpu = timed(lambda: Counter(map(str.encode, compiled.findall(prefix))), 1)
             got_prefix = count_pretokens(iter([prefix]), pattern=name, num_threads=1)
             assert got_prefix == expected, f"{corpus}/{name}: native counts differ from regex"
-            _, one_s, one_cpu = timed(lambda: count_pretokens(path, pattern=name, num_threads=1), repeats)
-            _, all_s, all_cpu = timed(lambda: count_pretokens(path, pattern=name, num_threads=threads), repeats)
+            regex_rate = prefix_mb / regex_s
+
+            def native(num_threads: int):
+                counter = _core.BpePretokenCounter(native_id[name], [], 0, num_threads)
+                counter.add_file(str(path))
+                return counter.finish_arrays()
+
+            def finish_only(as_dict: bool):
+                counter = _core.BpePretokenCounter(native_id[name], [], 0, 1)
+                counter.add_file(str(path))
+                start = cpu_seconds()
+                counter.finish() if as_dict else counter.finish_arrays()
+                return cpu_seconds() - start
+
+            # The dict build alone: CPU time of finish() (dict) minus finish_arrays(), best of the repeats.
+            dict_cpu = min(finish_only(True) for _ in range(repeats)) - min(finish_only(False) for _ in range(repeats))
+            cells = {}
+            for n in (1, threads):
+                _, native_s, native_cpu = timed(lambda: native(n), repeats)
+                _, full_s, full_cpu = timed(lambda: count_pretokens(path, pattern=name, num_threads=n), repeats)
+                cells[n] = (native_s, native_cpu, full_s, full_cpu)
             _, list_s, _ = timed(lambda: pretokenize(text, pattern=name), 1)
+            one, many = cells[1], cells[threads]
+            if name == "gpt2":
+                gpt2_one = one
             rows.append([
                 corpus, name,
-                f"{prefix_mb / regex_s:.1f} ({prefix_mb / regex_cpu:.1f})",
-                f"{mb / one_s:.0f} ({mb / one_cpu:.0f})",
-                f"{mb / all_s:.0f} ({mb / all_cpu:.0f})",
-                f"{one_s / all_s:.2f}x",
-                f"{(mb / one_s) / (prefix_mb / regex_s):.0f}x ({(mb / one_cpu) / (prefix_mb / regex_cpu):.0f}x)",
+                f"{regex_rate:.1f} ({prefix_mb / regex_cpu:.1f})",
+                f"**{mb / one[0]:.0f}** ({mb / one[1]:.0f})",
+                f"{mb / one[2]:.0f} ({mb / one[3]:.0f})",
+                f"{mb / many[0]:.0f} ({mb / many[1]:.0f})",
+                f"{mb / many[2]:.0f} ({mb / many[3]:.0f})",
+                f"{one[0] / many[0]:.2f}x ({many[1] / one[1]:.2f})",
+                f"{one[2] / many[2]:.2f}x",
+                f"{regex_s / prefix_mb / (one[0] / mb):.0f}x ({regex_cpu / prefix_mb / (one[1] / mb):.0f}x) / "
+                f"{regex_s / prefix_mb / (one[2] / mb):.0f}x ({regex_cpu / prefix_mb / (one[3] / mb):.0f}x)",
+                f"{dict_cpu * 1e3:.0f} ms",
                 f"{mb / list_s:.0f}",
             ])
             print(" | ".join(rows[-1]), flush=True)
@@ -120,26 +152,36 @@ def main() -> None:
 
             byte_level = ByteLevel(add_prefix_space=False, use_regex=True)
             _, hf_s, hf_cpu = timed(lambda: byte_level.pre_tokenize_str(prefix), 1)
-            rows.append([corpus, "gpt2: HF tokenizers ByteLevel.pre_tokenize_str (baseline column)",
-                         f"{prefix_mb / hf_s:.1f} ({prefix_mb / hf_cpu:.1f})", "", "", "", "", ""])
+            gpt2_s, gpt2_cpu = gpt2_one[0] / mb, gpt2_one[1] / mb  # seconds per MB
+            rows.append([corpus, "gpt2: HF tokenizers ByteLevel.pre_tokenize_str (in the regex column)",
+                         f"{prefix_mb / hf_s:.1f} ({prefix_mb / hf_cpu:.1f})", "", "", "", "", "", "",
+                         f"{hf_s / prefix_mb / gpt2_s:.0f}x ({hf_cpu / prefix_mb / gpt2_cpu:.0f}x) scan+count vs HF",
+                         "", ""])
             print(" | ".join(rows[-1]), flush=True)
         except ImportError:
             print("tokenizers not installed: skipping the HF ByteLevel baseline")
 
-    header = ["corpus", "pattern", "regex.findall+Counter MB/s", "native 1 thread MB/s",
-              f"native {threads} threads MB/s", f"scaling 1->{threads} (wall)", "native 1 thread / regex",
-              "pretokenize() -> list[str] MB/s"]
+    header = ["corpus", "pattern", "regex.findall+Counter MB/s",
+              "native 1 thread scan+count MB/s", "1 thread +dict MB/s",
+              f"{threads} threads scan+count MB/s", f"{threads} threads +dict MB/s",
+              f"scaling 1->{threads} scan+count: wall (CPU-s ratio)", f"scaling 1->{threads} +dict (wall)",
+              "1 thread vs regex, wall (CPU): scan+count / +dict", "dict build (CPU time)", "pretokenize() -> list[str] MB/s"]
     table = markdown_table(header, rows)
     load = os.getloadavg()[0]
     parallelism = available_parallelism(threads)
     body = (
-        "`count_pretokens` (dict[bytes, int]) vs `Counter(regex.findall(...))` (regex "
+        "`count_pretokens` vs `Counter(regex.findall(...))` (regex "
         f"{regex.__version__}) on the first {baseline_mb} MB, both checked equal; native on the whole file "
-        f"(gcide 40 MB, multilingual 21.5 MB). 1-minute load average at the end: {load:.1f} "
-        f"on {os.cpu_count()} cores; {threads} spinning processes ran {parallelism:.2f}x as fast as one "
-        f"(the most any {threads}-thread scaling could show here). Cells read `wall (per CPU-second)`: MB per second of wall time, and "
-        "in parentheses MB per second of CPU time the process used, which stays meaningful on a shared, "
-        "busy machine (wall-clock scaling is only meaningful on an idle one).\n\n" + table
+        f"(gcide 40 MB, multilingual 21.5 MB), best of {repeats}. \"scan+count\": file read (mmap) + UTF-8 "
+        "check + scan + count + parallel merge into flat arrays in first-occurrence order (the native "
+        "counter alone); \"+dict\": the public `count_pretokens` call, which also builds the "
+        "dict[bytes, int] on one thread (Python objects; its CPU time is the \"dict build\" column). "
+        f"1-minute load average at the end: {load:.1f} on {os.cpu_count()} cores; {threads} spinning "
+        f"processes ran {parallelism:.2f}x as fast as one (the most any {threads}-thread scaling could "
+        "show here). Cells read `wall (per CPU-second)`: MB per second of wall time, and in parentheses MB "
+        "per second of CPU time the process used (all threads), which stays meaningful on a shared, busy "
+        "machine; the scaling column's parenthesis is CPU-s with all threads / CPU-s with one (1.00 = "
+        "no parallel overhead). Wall-clock scaling is only meaningful on an idle machine.\n\n" + table
     )
     print(body)
     if args.write_readme:

@@ -140,6 +140,37 @@ def test_seeded_random_strings(name):
         assert pretokenize(text, pattern=name) == ref.pretokenize(text, name), repr(text)
 
 
+# Mostly ASCII (the GPT-2 scanner's 64-byte-window path), long enough to cross several windows,
+# with runs of one class longer than a window and an occasional non-ASCII character.
+ASCII_PIECES = list(" \t\n\r\x0b\x0c\x1c\x1f\x00\x7f'\".,!?-_/09aeslmdtrvLMSDTX") + [
+    "'s", "'ll", "'ve", "'re", "'d", "'m", "'t", "''s", " 's", "\n's", "'LL", "  ", "   ", "\n\n", " \n",
+    "a" * 70, " " * 70, "." * 70, "1" * 70, "\u00a0", "\u3000", "\u0085", "\u00e9", "\u0301", "\u2019",
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_seeded_ascii_windows(name):
+    rng = random.Random(4321 + NATIVE_ID[name])
+    docs = []
+    for _ in range(1500 if not FUZZ else 50_000):
+        text = "".join(rng.choice(ASCII_PIECES) if rng.random() < 0.3 else rng.choice(ASCII_PIECES[:40])
+                       for _ in range(rng.randrange(1, 260)))
+        assert pretokenize(text, pattern=name) == ref.pretokenize(text, name), repr(text)
+        docs.append(text)
+    expected = ref.count_pretokens(docs, name, [])
+    for num_threads in (1, 2, 7):
+        counter = _core.BpePretokenCounter(NATIVE_ID[name], [], 0, num_threads, chunk_bytes=97)
+        counter.add_documents(docs)
+        got = counter.finish()
+        assert got == expected and list(got) == list(expected)
+    counter = _core.BpePretokenCounter(NATIVE_ID[name], [], 0, 2, chunk_bytes=97)
+    counter.add_documents(docs)
+    data, offsets, counts = counter.finish_arrays()
+    assert offsets.dtype == "uint64" and counts.dtype == "int64" and len(offsets) == len(counts) + 1
+    keys = [data[offsets[k]:offsets[k + 1]] for k in range(len(counts))]
+    assert dict(zip(keys, counts.tolist())) == expected and keys == list(expected)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_lone_surrogates_in_str(name):
     text = "ab\ud800cd \udfff 1\ud83d"

@@ -193,20 +193,36 @@ class Counter {
     if (!progress.is_none()) progress(bytes_done.load());
   }
 
-  py::dict finish() {
-    bpe::PretokenCounts counts;
+  // (bytes, offsets uint64[n + 1], counts int64[n]): pre-token k is bytes[offsets[k]:offsets[k + 1]].
+  py::tuple finish_arrays() {
+    bpe::FlatPretokenCounts counts;
     {
       py::gil_scoped_release release;
-      counts = counter_->finish();
+      counts = counter_->finish_flat();
     }
-    py::dict out;
-    for (size_t k = 0; k < counts.pretokens.size(); ++k) {
-      const std::string& key = counts.pretokens[k];
-      py::object key_obj = py::reinterpret_steal<py::object>(
-          PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size())));
-      py::object value = py::reinterpret_steal<py::object>(PyLong_FromLongLong(counts.counts[k]));
-      if (!key_obj || !value) throw py::error_already_set();
-      if (PyDict_SetItem(out.ptr(), key_obj.ptr(), value.ptr()) != 0) throw py::error_already_set();
+    py::bytes data(counts.bytes.data(), counts.bytes.size());
+    return py::make_tuple(std::move(data), to_numpy(std::move(counts.offsets)), to_numpy(std::move(counts.counts)));
+  }
+
+  py::dict finish() {
+    bpe::FlatPretokenCounts counts;
+    {
+      py::gil_scoped_release release;
+      counts = counter_->finish_flat();
+    }
+    // Presized, so the dict never rehashes while it fills.
+    const auto num_entries = static_cast<Py_ssize_t>(counts.counts.size());
+    py::dict out = py::reinterpret_steal<py::dict>(_PyDict_NewPresized(num_entries));
+    if (!out) throw py::error_already_set();
+    for (Py_ssize_t k = 0; k < num_entries; ++k) {
+      const uint64_t begin = counts.offsets[k];
+      PyObject* key = PyBytes_FromStringAndSize(counts.bytes.data() + begin,
+                                                static_cast<Py_ssize_t>(counts.offsets[k + 1] - begin));
+      PyObject* value = key != nullptr ? PyLong_FromLongLong(counts.counts[k]) : nullptr;
+      const int failed = value == nullptr || PyDict_SetItem(out.ptr(), key, value) != 0;
+      Py_XDECREF(key);
+      Py_XDECREF(value);
+      if (failed) throw py::error_already_set();
     }
     return out;
   }
@@ -245,7 +261,9 @@ void register_bpe_pretokenize(py::module_& m) {
       .def("add_documents", &Counter::add_documents, py::arg("documents"), py::arg("first_index") = 0,
            py::arg("progress") = py::none())
       .def("finish", &Counter::finish, "dict[bytes, int] in first-occurrence order; empties the counter.")
-      .def("finish_table", &Counter::finish_table, "finish() as a native BpeWordTable (no dict); empties the counter.");
+      .def("finish_table", &Counter::finish_table, "finish() as a native BpeWordTable (no dict); empties the counter.")
+      .def("finish_arrays", &Counter::finish_arrays,
+           "(bytes, uint64 offsets[n + 1], int64 counts[n]) in first-occurrence order; empties the counter.");
 }
 
 }  // namespace trainfast::bindings

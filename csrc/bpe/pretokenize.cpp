@@ -14,6 +14,10 @@
 #include <thread>
 #include <utility>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "bpe/unicode_tables.h"
 #include "common/check.h"
 #include "common/hash.h"
@@ -199,6 +203,149 @@ struct SpaceRun {
   return run.last_start;                               // \s+(?!\S) gives back the last space
 }
 
+// ---------------------------------------------------------------------------------------------
+// GPT-2 on ASCII, 64 bytes at a time: bit masks of the byte classes give every pre-token start of
+// a window at once, so the scan has no per-byte branches (and few per-token ones).
+//
+// On ASCII (bit p = byte p of the window, X = letters | digits | other, i.e. not \s), a match
+// starts at p exactly when
+//   - p is X, its group differs from byte p-1's, and byte p-1 is not ' ' (" ?X+" takes a ' '), or
+//   - p is \s and p-1 is not (a whitespace run starts), or
+//   - p is \s and p+1 is X: `\s+(?!\S)` gives back the run's last character, which then starts
+//     its own match (" ?X+" when it is ' ', else `\s+` alone),
+// except for contractions: an apostrophe that starts a match (p-1 neither "other" nor ' ') and is
+// followed by s|d|m|t or ll|ve|re is a match of its own, which moves the next start past it.
+// The start at p depends on bytes p-3..p+1 only, so starts are final up to two bytes before the
+// first non-ASCII byte (or the window's end); from the last final start on, the next window
+// continues, and a pre-token that no window can finish goes to gpt2_next.
+
+struct WindowMasks {
+  uint64_t letter, digit, space, blank, apostrophe, high;  // blank = ' '
+};
+
+#if defined(__SSE2__)
+[[gnu::always_inline]] inline WindowMasks classify64(const uint8_t* w) {
+  WindowMasks m{};
+  const __m128i lower_a = _mm_set1_epi8('a' - 1), lower_z = _mm_set1_epi8('z' + 1);
+  const __m128i digit_0 = _mm_set1_epi8('0' - 1), digit_9 = _mm_set1_epi8('9' + 1);
+  const __m128i tab = _mm_set1_epi8(8), cr = _mm_set1_epi8(14), blank = _mm_set1_epi8(' ');
+  const __m128i case_bit = _mm_set1_epi8(0x20), quote = _mm_set1_epi8('\'');
+  for (int k = 0; k < 4; ++k) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * k));
+    // Signed compares: bytes >= 0x80 are negative, so they fall in none of the ASCII ranges.
+    const __m128i folded = _mm_or_si128(v, case_bit);
+    const __m128i letter = _mm_and_si128(_mm_cmpgt_epi8(folded, lower_a), _mm_cmpgt_epi8(lower_z, folded));
+    const __m128i digit = _mm_and_si128(_mm_cmpgt_epi8(v, digit_0), _mm_cmpgt_epi8(digit_9, v));
+    const __m128i is_blank = _mm_cmpeq_epi8(v, blank);
+    const __m128i space = _mm_or_si128(_mm_and_si128(_mm_cmpgt_epi8(v, tab), _mm_cmpgt_epi8(cr, v)), is_blank);
+    const int shift = 16 * k;
+    m.letter |= uint64_t(uint32_t(_mm_movemask_epi8(letter))) << shift;
+    m.digit |= uint64_t(uint32_t(_mm_movemask_epi8(digit))) << shift;
+    m.space |= uint64_t(uint32_t(_mm_movemask_epi8(space))) << shift;
+    m.blank |= uint64_t(uint32_t(_mm_movemask_epi8(is_blank))) << shift;
+    m.apostrophe |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi8(v, quote)))) << shift;
+    m.high |= uint64_t(uint32_t(_mm_movemask_epi8(v))) << shift;
+  }
+  return m;
+}
+#else
+inline WindowMasks classify64(const uint8_t* w) {
+  WindowMasks m{};
+  for (int p = 0; p < 64; ++p) {
+    const uint8_t b = w[p];
+    const uint64_t bit_p = uint64_t{1} << p;
+    if (b >= 0x80) {
+      m.high |= bit_p;
+      continue;
+    }
+    const uint8_t group = kAscii.group[b];
+    if (group == kGroupLetter) m.letter |= bit_p;
+    if (group == kGroupNumber) m.digit |= bit_p;
+    if (group == kGroupSpace) m.space |= bit_p;
+    if (b == ' ') m.blank |= bit_p;
+    if (b == '\'') m.apostrophe |= bit_p;
+  }
+  return m;
+}
+#endif
+
+// Calls emit(begin, end) for every GPT-2 pre-token of s[0:n), in order.
+template <typename Emit>
+[[gnu::always_inline]] inline void gpt2_scan(const uint8_t* s, size_t n, Emit&& emit) {
+  alignas(64) uint8_t tail[64];
+  size_t i = 0;
+  size_t fallback_bytes = 16;
+  while (i < n) {
+    const size_t avail = n - i;
+    const bool last = avail <= 64;
+    const uint8_t* w = s + i;
+    if (last) {  // the segment ends in this window: pad with a non-ASCII byte, which stops every run
+      std::memcpy(tail, s + i, avail);
+      std::memset(tail + avail, 0x80, 64 - avail);
+      w = tail;
+    }
+    const WindowMasks m = classify64(w);
+    const uint64_t real = last && avail < 64 ? (uint64_t{1} << avail) - 1 : ~uint64_t{0};
+    const uint64_t high = m.high & real;
+    const uint64_t other = real & ~(high | m.letter | m.digit | m.space);
+    const uint64_t nonspace = m.letter | m.digit | other;
+    const uint64_t changed = (m.letter & ~(m.letter << 1)) | (m.digit & ~(m.digit << 1)) | (other & ~(other << 1));
+    uint64_t starts = (changed & ~(m.blank << 1)) | (m.space & ~(m.space << 1)) | (m.space & (nonspace >> 1)) | 1;
+    uint64_t quotes = m.apostrophe & ~(other << 1) & ~(m.blank << 1);
+    while (quotes != 0) {
+      const int p = __builtin_ctzll(quotes);
+      quotes &= quotes - 1;
+      if (p + 1 >= 64) break;
+      const uint8_t c1 = w[p + 1];
+      int len = 0;
+      if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') {
+        len = 2;
+      } else if (p + 2 < 64) {
+        const uint8_t c2 = w[p + 2];
+        if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) len = 3;
+      }
+      if (len == 0) continue;
+      starts &= ~(uint64_t{1} << (p + 1));
+      if (p + len < 64) starts |= uint64_t{1} << (p + len);
+    }
+    // Starts are final below `decided`; the whole window is when the segment ends in it, all ASCII.
+    const bool whole = last && high == 0;
+    const int first_unknown = high != 0 ? __builtin_ctzll(high) : 64;
+    const int decided = whole ? static_cast<int>(avail) : first_unknown - 2;
+    uint64_t final_starts = decided <= 0 ? 1 : starts & (decided >= 64 ? ~uint64_t{0} : (uint64_t{1} << decided) - 1);
+    final_starts &= final_starts - 1;  // bit 0 (i) is known
+    size_t begin = i;
+    while (final_starts != 0) {
+      const size_t end = i + static_cast<size_t>(__builtin_ctzll(final_starts));
+      final_starts &= final_starts - 1;
+      emit(begin, end);
+      begin = end;
+    }
+    if (whole) {
+      emit(begin, n);
+      return;
+    }
+    if (begin > i) {
+      i = begin;
+      fallback_bytes = 16;
+      continue;
+    }
+    // No pre-token ends inside the window (a long one, or non-ASCII text): scan one by one for a
+    // while, longer each time this repeats (text in other scripts rarely has ASCII windows).
+    const size_t until = std::min(n, i + fallback_bytes);
+    fallback_bytes = std::min<size_t>(fallback_bytes * 2, 4096);
+    while (i < until) {
+      const size_t end = gpt2_next(s, i, n);
+      emit(i, end);
+      i = end;
+    }
+  }
+}
+
+// Calls emit(begin, end) for every pre-token of s[0:n), in order.
+template <Pattern P, typename Emit>
+[[gnu::always_inline]] inline void scan_pretokens(const uint8_t* s, size_t n, Emit&& emit);
+
 // Up to three \p{N} from i (which is one).
 inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first_len) {
   size_t j = i + first_len;
@@ -326,6 +473,19 @@ template <Pattern P>
   if constexpr (P == Pattern::kO200k) return o200k_next(s, i, n);
 }
 
+template <Pattern P, typename Emit>
+[[gnu::always_inline]] inline void scan_pretokens(const uint8_t* s, size_t n, Emit&& emit) {
+  if constexpr (P == Pattern::kGpt2) {
+    gpt2_scan(s, n, emit);
+  } else {
+    for (size_t i = 0; i < n;) {
+      const size_t end = next_end<P>(s, i, n);
+      emit(i, end);
+      i = end;
+    }
+  }
+}
+
 // Whether cutting text at byte p (0 < p < n) leaves every pre-token unchanged:
 //   findall(text) == findall(text[:p]) + findall(text[p:]).
 // Proof sketch. The rule needs text[p] = an ASCII \s character and text[p-1] (a character) not \s.
@@ -359,10 +519,7 @@ bool is_safe_split(const uint8_t* s, size_t p, size_t n) {
 
 template <Pattern P>
 void pretokenize_impl(const uint8_t* s, size_t n, size_t base, std::vector<size_t>& ends) {
-  for (size_t i = 0; i < n;) {
-    i = next_end<P>(s, i, n);
-    ends.push_back(base + i);
-  }
+  scan_pretokens<P>(s, n, [&](size_t, size_t end) { ends.push_back(base + end); });
 }
 
 void pretokenize_segment(const uint8_t* s, size_t n, size_t base, Pattern pattern, std::vector<size_t>& ends) {
@@ -375,9 +532,16 @@ void pretokenize_segment(const uint8_t* s, size_t n, size_t base, Pattern patter
 }
 
 // ---------------------------------------------------------------------------------------------
-// Counting table: open addressing, keys of up to 8 bytes stored inline, longer ones in an arena.
+// Counting table: open addressing (linear probing) over 32-byte slots that hold a key of up to 16
+// bytes inline (longer ones: the first 8 bytes inline, all of them in an arena), so a lookup
+// touches one cache line, which the scan prefetches a few pre-tokens ahead.
 
 inline uint64_t load_upto8(const uint8_t* p, uint32_t len) {
+  if (len >= 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    return w;
+  }
   if (len >= 4) {
     uint32_t lo, hi;
     std::memcpy(&lo, p, 4);
@@ -388,14 +552,14 @@ inline uint64_t load_upto8(const uint8_t* p, uint32_t len) {
   return uint64_t{p[0]} | (uint64_t{p[len / 2]} << (8 * (len / 2))) | (uint64_t{p[len - 1]} << (8 * (len - 1)));
 }
 
-// Short keys (<= 8 bytes, zero padded): every key bit reaches the low (index) and high (tag) bits.
-inline uint64_t short_hash(uint64_t word, uint32_t len) {
-  uint64_t h = (word ^ (uint64_t{len} << 59)) * 0x9E3779B97F4A7C15ull;
+// Keys of up to 16 bytes (zero padded words): every key bit reaches the high (home and tag) bits.
+inline uint64_t short_hash(uint64_t w0, uint64_t w1, uint32_t len) {
+  uint64_t h = (w0 ^ (uint64_t{len} << 58)) * 0x9E3779B97F4A7C15ull;
+  h ^= (w1 + (h >> 29)) * 0xC2B2AE3D27D4EB4Full;
   h ^= h >> 32;
   h *= 0xD6E8FEB86659FD93ull;
-  return h ^ (h >> 32);
+  return h ^ (h >> 29);
 }
-
 
 inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
   uint64_t h = 0x9E3779B97F4A7C15ull ^ len;
@@ -410,124 +574,222 @@ inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
   return mix64(h);
 }
 
+// Sorts items by their `pos` (unique, >= 0): LSD radix sort on 11-bit digits, which beats
+// comparison sorting on the hundreds of thousands of entries of a large table.
+template <typename Item>
+void sort_by_position(std::vector<Item>& items) {
+  if (items.size() < 4096) {
+    std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.pos < b.pos; });
+    return;
+  }
+  int64_t max_pos = 0;
+  for (const Item& item : items) max_pos = std::max(max_pos, item.pos);
+  constexpr int kBits = 11;
+  std::vector<Item> scratch(items.size());
+  std::vector<size_t> starts(size_t{1} << kBits);
+  for (int shift = 0; shift < 63 && (max_pos >> shift) != 0; shift += kBits) {
+    std::fill(starts.begin(), starts.end(), 0);
+    for (const Item& item : items) ++starts[(item.pos >> shift) & ((1 << kBits) - 1)];
+    size_t sum = 0;
+    for (size_t& start : starts) sum += std::exchange(start, sum);
+    for (const Item& item : items) scratch[starts[(item.pos >> shift) & ((1 << kBits) - 1)]++] = item;
+    items.swap(scratch);
+  }
+}
+
+// One unique pre-token of the final result: its bytes stay in (and point into) a count table.
+struct CountedKey {
+  int64_t pos;  // first position
+  int64_t count;
+  const uint8_t* bytes;
+  uint64_t len;
+};
+
 class CountTable {
  public:
-  CountTable() { index_.assign(kInitialCapacity, 0); }
+  static constexpr uint32_t kInlineBytes = 16;
 
-  // A key's home slot: the top bits of its tag, so growing needs only the index (no rehashing).
-  [[gnu::always_inline]] inline size_t home(uint64_t hash) const { return static_cast<uint32_t>(hash >> 32) >> shift_; }
+  struct Slot {
+    uint64_t w0;     // key bytes 0..7, zero padded
+    uint64_t w1;     // key bytes 8..15, zero padded (len <= 16), else the key's arena offset
+    int64_t count;   // 0: empty slot
+    uint64_t meta;   // (tag << 32) | len; tag = the hash's high 32 bits
+    uint32_t tag() const { return static_cast<uint32_t>(meta >> 32); }
+    uint32_t len() const { return static_cast<uint32_t>(meta); }
+  };
+  static_assert(sizeof(Slot) == 32);
 
-  // A key with its hash, computed ahead so its slots can be prefetched.
+  // A key with its hash, computed ahead so its slot can be prefetched.
   struct Key {
     const uint8_t* data;
-    uint32_t len;
-    uint64_t word;  // the bytes of a short key (len <= 8), zero padded
-    uint64_t hash;
+    uint64_t w0, w1, meta;
   };
 
-  [[gnu::always_inline]] static inline Key make_key(const uint8_t* data, uint32_t len) {
-    const bool short_key = len <= 8;
-    const uint64_t word = short_key ? load_upto8(data, len) : 0;
-    return {data, len, word, short_key ? short_hash(word, len) : hash_long(data, len)};
+  CountTable() { reset(kInitialBits); }
+
+  // `readable`: bytes readable from `data` (>= len); with 16 the short words take two plain loads.
+  [[gnu::always_inline]] static inline Key make_key(const uint8_t* data, uint32_t len, size_t readable) {
+    Key key{data, 0, 0, 0};
+    uint64_t hash;
+    if (len <= kInlineBytes) {
+      if (readable >= 16) {
+        uint64_t a, b;
+        std::memcpy(&a, data, 8);
+        std::memcpy(&b, data + 8, 8);
+        key.w0 = len >= 8 ? a : a & ((uint64_t{1} << (8 * len)) - 1);
+        key.w1 = len >= 16 ? b : len <= 8 ? 0 : b & ((uint64_t{1} << (8 * (len - 8))) - 1);
+      } else {
+        key.w0 = load_upto8(data, std::min<uint32_t>(len, 8));
+        key.w1 = len > 8 ? load_upto8(data + 8, len - 8) : 0;
+      }
+      hash = short_hash(key.w0, key.w1, len);
+    } else {
+      std::memcpy(&key.w0, data, 8);
+      hash = hash_long(data, len);
+    }
+    key.meta = (hash & 0xFFFFFFFF00000000ull) | len;
+    return key;
   }
 
-  // Pulls the key's first index slot, then (once that is cached) its entry, toward the cache.
-  [[gnu::always_inline]] inline void prefetch_slot(const Key& key) const {
-    __builtin_prefetch(&index_[home(key.hash)]);
-  }
-  [[gnu::always_inline]] inline void prefetch_entry(const Key& key) const {
-    const uint64_t slot = index_[home(key.hash)];
-    if (slot != 0) __builtin_prefetch(&entries_[(slot & 0xFFFFFFFFull) - 1]);
-  }
+  [[gnu::always_inline]] inline void prefetch(const Key& key) const { __builtin_prefetch(&slots_[home(key.meta)]); }
 
-  void add(const uint8_t* data, uint32_t len, int64_t pos, int64_t count = 1) { add(make_key(data, len), pos, count); }
-
+  // Counts a pre-token at stream position `pos`. A worker counts its chunks in stream order, so
+  // a key's first add has its first position.
   [[gnu::always_inline]] inline void add(const Key& key, int64_t pos, int64_t count = 1) {
-    const bool short_key = key.len <= 8;
-    const uint64_t tag = key.hash >> 32;
-    const size_t mask = index_.size() - 1;
-    for (size_t idx = home(key.hash);; idx = (idx + 1) & mask) {
-      const uint64_t slot = index_[idx];
-      if (slot == 0) {
-        insert(idx, tag, key.data, key.len, key.word, pos, count);
+    const uint32_t len = static_cast<uint32_t>(key.meta);
+    for (size_t idx = home(key.meta);; idx = (idx + 1) & mask_) {
+      Slot& slot = slots_[idx];
+      if (slot.count == 0) {
+        insert(idx, key, pos, count);
         return;
       }
-      if ((slot >> 32) == tag) {
-        Entry& entry = entries_[(slot & 0xFFFFFFFFull) - 1];
-        if (entry.len == key.len &&
-            (short_key ? entry.data == key.word : std::memcmp(arena_.data() + entry.data, key.data, key.len) == 0)) {
-          entry.count += count;
-          if (pos < entry.first_pos) entry.first_pos = pos;
-          return;
-        }
+      if (slot.meta == key.meta && slot.w0 == key.w0 &&
+          (len <= kInlineBytes ? slot.w1 == key.w1
+                               : std::memcmp(arena_.data() + slot.w1 + 8, key.data + 8, len - 8) == 0)) {
+        slot.count += count;
+        return;
       }
     }
   }
 
+  // Appends the slot indices of every entry whose tag t has shard_of(t) == shard, where
+  // shard_of(t) = t * num_shards >> 32, sorted by key (tag, length, bytes). A shard's tags form
+  // one contiguous range, so its entries sit in one stretch of slots, nearly in tag order.
+  void gather_shard(uint32_t shard, uint32_t num_shards, std::vector<uint32_t>& out) const {
+    const uint64_t first_tag = (uint64_t{shard} << 32) / num_shards + ((uint64_t{shard} << 32) % num_shards != 0);
+    const uint64_t end_tag = shard + 1 == num_shards ? uint64_t{1} << 32
+                                                     : ((uint64_t{shard + 1} << 32) + num_shards - 1) / num_shards;
+    const size_t cap = slots_.size();
+    // Entries sit at or after their home slot, in the same run of occupied slots; the last run
+    // may wrap around the end of the table.
+    const size_t from = home_of_tag(first_tag);
+    const size_t last_home = home_of_tag(end_tag - 1);
+    const size_t begin = out.size();
+    auto take = [&](size_t idx) {
+      const Slot& slot = slots_[idx];
+      if (slot.count != 0 && ((uint64_t{slot.tag()} * num_shards) >> 32) == shard) out.push_back(static_cast<uint32_t>(idx));
+    };
+    size_t idx = from;
+    for (; idx < cap && (idx <= last_home || slots_[idx].count != 0); ++idx) take(idx);
+    if (idx == cap) {
+      for (idx = 0; idx < from && slots_[idx].count != 0; ++idx) take(idx);
+    }
+    // Insertion sort: entries are out of tag order only within a run of occupied slots.
+    for (size_t k = begin + 1; k < out.size(); ++k) {
+      const uint32_t item = out[k];
+      size_t j = k;
+      for (; j > begin && key_less(item, out[j - 1]); --j) out[j] = out[j - 1];
+      out[j] = item;
+    }
+  }
+
+  // Key order across tables: (tag, length), then the bytes.
+  bool key_less(uint32_t a, uint32_t b) const { return compare_keys(*this, a, *this, b) < 0; }
+  static int compare_keys(const CountTable& ta, uint32_t a, const CountTable& tb, uint32_t b) {
+    const Slot& x = ta.slots_[a];
+    const Slot& y = tb.slots_[b];
+    if (x.meta != y.meta) return x.meta < y.meta ? -1 : 1;
+    if (x.w0 != y.w0) return x.w0 < y.w0 ? -1 : 1;
+    if (x.len() <= kInlineBytes) return x.w1 == y.w1 ? 0 : x.w1 < y.w1 ? -1 : 1;
+    return std::memcmp(ta.arena_.data() + x.w1, tb.arena_.data() + y.w1, x.len());
+  }
+
+  CountedKey counted(uint32_t idx) const {
+    const Slot& slot = slots_[idx];
+    return {positions_[idx], slot.count, key_bytes(slot), slot.len()};
+  }
+
+  // fn(slot index, first position) for every entry.
   template <typename Fn>
-  void for_each(Fn&& fn) const {
-    for (const Entry& entry : entries_) {
-      if (entry.len <= 8) {
-        uint8_t bytes[8];
-        std::memcpy(bytes, &entry.data, 8);
-        fn(bytes, entry.len, entry.count, entry.first_pos);
-      } else {
-        fn(arena_.data() + entry.data, entry.len, entry.count, entry.first_pos);
-      }
+  void for_each_index(Fn&& fn) const {
+    for (size_t idx = 0; idx < slots_.size(); ++idx) {
+      if (slots_[idx].count != 0) fn(static_cast<uint32_t>(idx), positions_[idx]);
     }
   }
 
-  size_t size() const { return entries_.size(); }
-  void clear() {
-    index_.assign(kInitialCapacity, 0);
-    shift_ = 32 - kInitialBits;
-    std::vector<Entry>().swap(entries_);
+  // The key bytes of a slot: inline ones are read in place (the slot is little-endian bytes).
+  const uint8_t* key_bytes(const Slot& slot) const {
+    return slot.len() <= kInlineBytes ? reinterpret_cast<const uint8_t*>(&slot.w0) : arena_.data() + slot.w1;
+  }
+
+  size_t size() const { return size_; }
+  void clear() { reset(kInitialBits); }
+
+ private:
+  static constexpr int kInitialBits = 12;
+  static constexpr size_t kMaxEntries = size_t{3} << 30;
+
+  [[gnu::always_inline]] inline size_t home(uint64_t meta) const { return static_cast<size_t>((meta >> 32) >> shift_); }
+  size_t home_of_tag(uint64_t tag) const { return static_cast<size_t>(tag >> shift_); }
+
+  void reset(int bits) {
+    std::vector<Slot>(size_t{1} << bits, Slot{0, 0, 0, 0}).swap(slots_);
+    std::vector<int64_t>(size_t{1} << bits, 0).swap(positions_);
+    mask_ = slots_.size() - 1;
+    shift_ = 32 - bits;
+    size_ = 0;
     std::vector<uint8_t>().swap(arena_);
   }
 
- private:
-  struct Entry {
-    uint64_t data;  // the key bytes (len <= 8, zero padded) or the key's arena offset
-    uint32_t len;
-    uint32_t tag;   // high hash bits, to rebuild the index
-    int64_t count;
-    int64_t first_pos;
-  };
-  static constexpr int kInitialBits = 14;
-  static constexpr size_t kInitialCapacity = size_t{1} << kInitialBits;
-  static constexpr size_t kMaxEntries = 0xFFFFFFFEull;
-
-  [[gnu::noinline]] void insert(size_t idx, uint64_t tag, const uint8_t* key, uint32_t len, uint64_t word,
-                                int64_t pos, int64_t count) {
-    if (entries_.size() >= kMaxEntries) throw std::length_error("more than 2^32 - 2 unique pre-tokens");
-    Entry entry{word, len, static_cast<uint32_t>(tag), count, pos};
-    if (len > 8) {
-      entry.data = arena_.size();
-      arena_.insert(arena_.end(), key, key + len);
+  [[gnu::noinline]] void insert(size_t idx, const Key& key, int64_t pos, int64_t count) {
+    const uint32_t len = static_cast<uint32_t>(key.meta);
+    Slot& slot = slots_[idx];
+    slot.w0 = key.w0;
+    slot.w1 = key.w1;
+    if (len > kInlineBytes) {
+      slot.w1 = arena_.size();
+      arena_.insert(arena_.end(), key.data, key.data + len);
     }
-    entries_.push_back(entry);
-    index_[idx] = (tag << 32) | entries_.size();
-    if (entries_.size() * 2 > index_.size()) grow();
+    slot.count = count;
+    slot.meta = key.meta;
+    positions_[idx] = pos;
+    ++size_;
+    if (size_ * 4 > slots_.size() * 3) grow();
   }
 
   void grow() {
-    if (shift_ == 0) throw std::length_error("pre-token table is full");
-    std::vector<uint64_t> bigger(index_.size() * 2, 0);
-    const size_t mask = bigger.size() - 1;
+    if (shift_ == 0 || size_ >= kMaxEntries) throw std::length_error("pre-token table is full");
+    std::vector<Slot> old_slots(slots_.size() * 2, Slot{0, 0, 0, 0});
+    std::vector<int64_t> old_positions(slots_.size() * 2, 0);
+    old_slots.swap(slots_);
+    old_positions.swap(positions_);
     --shift_;
-    for (uint64_t slot : index_) {
-      if (slot == 0) continue;
-      size_t idx = static_cast<uint32_t>(slot >> 32) >> shift_;
-      while (bigger[idx] != 0) idx = (idx + 1) & mask;
-      bigger[idx] = slot;
+    mask_ = slots_.size() - 1;
+    for (size_t k = 0; k < old_slots.size(); ++k) {
+      if (old_slots[k].count == 0) continue;
+      size_t idx = home(old_slots[k].meta);
+      while (slots_[idx].count != 0) idx = (idx + 1) & mask_;
+      slots_[idx] = old_slots[k];
+      positions_[idx] = old_positions[k];
     }
-    index_.swap(bigger);
   }
 
-  std::vector<uint64_t> index_;  // (hash tag << 32) | (entry index + 1); 0 = empty
-  int shift_ = 32 - kInitialBits;  // index size is 2^(32 - shift_)
-  std::vector<Entry> entries_;
-  std::vector<uint8_t> arena_;
+  std::vector<Slot> slots_;
+  std::vector<int64_t> positions_;  // first position of each slot's key (in the input stream)
+  size_t mask_ = 0;
+  int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
+  size_t size_ = 0;
+  std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
 };
 
 // Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
@@ -860,21 +1122,23 @@ struct PretokenCounter::Impl {
   void count_segment(const uint8_t* s, size_t n, int64_t pos, CountTable& table) const {
     // In batches: scan and hash a batch of pre-tokens prefetching their index slots, then their
     // entries, then count them; this hides most cache misses of a large table.
-    constexpr int kBatch = 16;
-    CountTable::Key keys[kBatch];
-    int64_t starts[kBatch];
-    for (size_t i = 0; i < n;) {
-      int m = 0;
-      for (; m < kBatch && i < n; ++m) {
-        const size_t e = next_end<P>(s, i, n);
-        if (e - i > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
-        keys[m] = CountTable::make_key(s + i, static_cast<uint32_t>(e - i));
-        starts[m] = pos + static_cast<int64_t>(i);
-        table.prefetch_slot(keys[m]);
-        i = e;
-      }
-      for (int k = 0; k < m; ++k) table.prefetch_entry(keys[k]);
-      for (int k = 0; k < m; ++k) table.add(keys[k], starts[k]);
+    // A ring of pending pre-tokens: each one's slot is prefetched kAhead pre-tokens before it is
+    // counted, which hides most cache misses of a large table.
+    constexpr unsigned kAhead = 16;
+    CountTable::Key keys[kAhead];
+    int64_t starts[kAhead];
+    unsigned num_pending = 0;
+    scan_pretokens<P>(s, n, [&](size_t begin, size_t end) {
+      if (end - begin > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
+      const unsigned k = num_pending % kAhead;
+      if (num_pending >= kAhead) table.add(keys[k], starts[k]);
+      keys[k] = CountTable::make_key(s + begin, static_cast<uint32_t>(end - begin), n - begin);
+      starts[k] = pos + static_cast<int64_t>(begin);
+      table.prefetch(keys[k]);
+      ++num_pending;
+    });
+    for (unsigned j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
+      table.add(keys[j % kAhead], starts[j % kAhead]);
     }
   }
 
@@ -1107,60 +1371,120 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
   impl.count_chunks(chunks, interrupt, bytes_done);
 }
 
-PretokenCounts PretokenCounter::finish() {
+FlatPretokenCounts PretokenCounter::finish_flat() {
   Impl& impl = *impl_;
-  // Merge every table into the largest one (fewest insertions).
-  size_t largest = 0;
-  for (size_t w = 1; w < impl.tables.size(); ++w) {
-    if (impl.tables[w].size() > impl.tables[largest].size()) largest = w;
+  const int num_threads = impl.options.num_threads;
+  std::vector<const CountTable*> sources;
+  for (const CountTable& table : impl.tables) {
+    if (table.size() > 0) sources.push_back(&table);
   }
-  CountTable& merged = impl.tables[largest];
-  for (size_t w = 0; w < impl.tables.size(); ++w) {
-    if (w == largest) continue;
-    // Batched like counting: prefetch index slots, then entries, then add.
-    constexpr int kBatch = 16;
-    CountTable::Key keys[kBatch];
-    int64_t positions[kBatch], counts[kBatch];
-    uint8_t short_keys[kBatch][8];
-    int m = 0;
-    auto flush = [&] {
-      for (int k = 0; k < m; ++k) merged.prefetch_entry(keys[k]);
-      for (int k = 0; k < m; ++k) merged.add(keys[k], positions[k], counts[k]);
-      m = 0;
-    };
-    impl.tables[w].for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t pos) {
-      if (len <= 8) {  // for_each hands short keys in a temporary buffer
-        std::memcpy(short_keys[m], key, len);
-        key = short_keys[m];
+  // Shard k (a range of hash tags) of every table is merged by one worker: each table lists its
+  // shard's entries sorted by key, and a merge of those lists sums the counts of equal keys and
+  // keeps their first position. Then each shard sorts its keys by first position.
+  const size_t num_shards = sources.size() <= 1 ? 1 : static_cast<size_t>(num_threads);
+  std::vector<std::vector<CountedKey>> shards(num_shards);
+  if (sources.size() > 1) {
+    run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
+      const size_t num_sources = sources.size();
+      std::vector<std::vector<uint32_t>> lists(num_sources);
+      size_t total = 0;
+      for (size_t t = 0; t < num_sources; ++t) {
+        sources[t]->gather_shard(static_cast<uint32_t>(shard), static_cast<uint32_t>(num_shards), lists[t]);
+        total += lists[t].size();
       }
-      keys[m] = CountTable::make_key(key, len);
-      positions[m] = pos;
-      counts[m] = count;
-      merged.prefetch_slot(keys[m]);
-      if (++m == kBatch) flush();
+      std::vector<CountedKey>& out = shards[shard];
+      out.reserve(total);
+      std::vector<size_t> heads(num_sources, 0);
+      while (true) {
+        size_t best = num_sources;
+        for (size_t t = 0; t < num_sources; ++t) {
+          if (heads[t] == lists[t].size()) continue;
+          if (best == num_sources ||
+              CountTable::compare_keys(*sources[t], lists[t][heads[t]], *sources[best], lists[best][heads[best]]) < 0) {
+            best = t;
+          }
+        }
+        if (best == num_sources) break;
+        CountedKey key = sources[best]->counted(lists[best][heads[best]]);
+        for (size_t t = 0; t < num_sources; ++t) {
+          if (t == best || heads[t] == lists[t].size()) continue;
+          if (CountTable::compare_keys(*sources[t], lists[t][heads[t]], *sources[best], lists[best][heads[best]]) == 0) {
+            const CountedKey other = sources[t]->counted(lists[t][heads[t]]);
+            key.count += other.count;
+            key.pos = std::min(key.pos, other.pos);
+            ++heads[t];
+          }
+        }
+        ++heads[best];
+        out.push_back(key);
+      }
     });
-    flush();
-    impl.tables[w].clear();
   }
   // First-occurrence order: positions are unique, so the order does not depend on the threads.
-  std::vector<std::pair<int64_t, uint32_t>> order;
-  order.reserve(merged.size());
-  uint32_t idx = 0;
-  merged.for_each([&](const uint8_t*, uint32_t, int64_t, int64_t pos) { order.emplace_back(pos, idx++); });
-  std::sort(order.begin(), order.end());
-  PretokenCounts out;
-  out.pretokens.resize(order.size());
-  out.counts.resize(order.size());
-  std::vector<uint32_t> rank(order.size());
-  for (size_t k = 0; k < order.size(); ++k) rank[order[k].second] = static_cast<uint32_t>(k);
-  idx = 0;
-  merged.for_each([&](const uint8_t* key, uint32_t len, int64_t count, int64_t) {
-    const uint32_t k = rank[idx++];
-    out.pretokens[k].assign(reinterpret_cast<const char*>(key), len);
-    out.counts[k] = count;
+  // An entry's rank is its index in its (sorted) shard plus the number of entries of the other
+  // shards at smaller positions. Only the prefix sum of lengths is serial.
+  struct Order {
+    int64_t pos;
+    uint32_t idx;
+  };
+  std::vector<std::vector<Order>> orders(num_shards);
+  const bool single = sources.size() == 1;  // then entries are read from the table in place
+  auto key_of = [&](size_t k, uint32_t idx) { return single ? sources[0]->counted(idx) : shards[k][idx]; };
+  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
+    if (single) {
+      orders[k].reserve(sources[0]->size());
+      sources[0]->for_each_index([&](uint32_t idx, int64_t pos) { orders[k].push_back({pos, idx}); });
+    } else {
+      orders[k].resize(shards[k].size());
+      for (size_t j = 0; j < shards[k].size(); ++j) orders[k][j] = {shards[k][j].pos, static_cast<uint32_t>(j)};
+    }
+    sort_by_position(orders[k]);
   });
-  merged.clear();
+  size_t num_entries = 0;
+  for (const auto& order : orders) num_entries += order.size();
+  FlatPretokenCounts out;
+  out.offsets.assign(num_entries + 1, 0);
+  out.counts.resize(num_entries);
+  std::vector<std::vector<size_t>> ranks(num_shards);
+  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
+    std::vector<size_t> before(num_shards, 0);  // entries of shard m at positions below the current one
+    ranks[k].resize(orders[k].size());
+    for (size_t j = 0; j < orders[k].size(); ++j) {
+      const int64_t pos = orders[k][j].pos;
+      size_t rank = j;
+      for (size_t m = 0; m < num_shards; ++m) {
+        if (m == k) continue;
+        while (before[m] < orders[m].size() && orders[m][before[m]].pos < pos) ++before[m];
+        rank += before[m];
+      }
+      const CountedKey key = key_of(k, orders[k][j].idx);
+      ranks[k][j] = rank;
+      out.offsets[rank + 1] = key.len;
+      out.counts[rank] = key.count;
+    }
+  });
+  for (size_t k = 0; k < num_entries; ++k) out.offsets[k + 1] += out.offsets[k];
+  out.bytes.resize(out.offsets[num_entries]);
+  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
+    for (size_t j = 0; j < orders[k].size(); ++j) {
+      const CountedKey key = key_of(k, orders[k][j].idx);
+      std::memcpy(out.bytes.data() + out.offsets[ranks[k][j]], key.bytes, key.len);
+    }
+  });
+  shards.clear();
+  for (CountTable& table : impl.tables) table.clear();
   impl.stream_pos = 0;
+  return out;
+}
+
+PretokenCounts PretokenCounter::finish() {
+  FlatPretokenCounts flat = finish_flat();
+  PretokenCounts out;
+  out.counts = std::move(flat.counts);
+  out.pretokens.resize(out.counts.size());
+  for (size_t k = 0; k < out.counts.size(); ++k) {
+    out.pretokens[k].assign(flat.bytes, flat.offsets[k], flat.offsets[k + 1] - flat.offsets[k]);
+  }
   return out;
 }
 

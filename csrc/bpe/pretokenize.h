@@ -109,6 +109,13 @@ struct PretokenCounts {
   std::vector<int64_t> counts;         // counts[i] >= 1 occurrences of pretokens[i]
 };
 
+// The same, flat: pre-token k is bytes[offsets[k]:offsets[k + 1]] (offsets has one more entry).
+struct FlatPretokenCounts {
+  std::string bytes;
+  std::vector<uint64_t> offsets;
+  std::vector<int64_t> counts;
+};
+
 struct CountOptions {
   Pattern pattern = Pattern::kGpt2;
   std::vector<std::string> special_tokens;  // split on first, never counted
@@ -137,6 +144,8 @@ class PretokenCounter {
                      std::atomic<int64_t>* bytes_done = nullptr);
   // The counts so far, in first-occurrence order; the counter is empty afterwards.
   PretokenCounts finish();
+  // finish() without a string per pre-token (cheaper for large tables).
+  FlatPretokenCounts finish_flat();
 
  private:
   struct Impl;
