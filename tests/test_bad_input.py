@@ -467,6 +467,23 @@ CASES += [
     Case("trainfast eplb (CLI)", "indivisible sizes", lambda: _cli("eplb", "--replicas", "300", "--gpus", "32"), ValueError, "replicas"),
 ]
 
+CASES += [
+    Case("buckets.compute_full_param_layout", "NaN/inf", lambda: buckets.compute_full_param_layout([_param(4)], 100, float("inf"), _DDP), TypeError, "data_parallel_world_size"),
+    Case("buckets.compute_per_buffer_param_layout", "NaN/inf", lambda: buckets.compute_per_buffer_param_layout([_param(4)], float("inf"), 2, _DDP), TypeError, "bucket_size"),
+    Case("buckets.compute_per_buffer_param_layout", "malformed string", lambda: buckets.compute_per_buffer_param_layout([_param(4)], 10, "2", _DDP), TypeError, "data_parallel_world_size"),
+    Case("buckets.compute_default_per_buffer_param_layout", "wrong dtype", lambda: buckets.compute_default_per_buffer_param_layout([_param(4)], 2.5), TypeError, "bucket_size"),
+    Case("buckets.default_bucket_size", "negative", lambda: buckets.default_bucket_size(-1), ValueError, "data_parallel_world_size"),
+    Case("buckets.default_bucket_size", "NaN/inf", lambda: buckets.default_bucket_size(float("nan")), TypeError, "data_parallel_world_size"),
+    Case("pipeline.to_layout_str", "wrong type", lambda: pipeline.to_layout_str("x", 2), TypeError, "plan"),
+    Case("pipeline.to_layout_str", "negative", lambda: pipeline.to_layout_str(_plan(), -2), ValueError, "pp"),
+    Case("pipeline.to_layout_str", "NaN/inf", lambda: pipeline.to_layout_str(_plan(), 2, float("inf")), TypeError, "vpp"),
+    Case("pipeline.get_transformer_layer_offset", "NaN/inf", lambda: pipeline.get_transformer_layer_offset(_config(num_layers=float("nan")), pp_rank=0), TypeError, "num_layers"),
+    Case("pipeline.get_num_layers_to_build", "zero", lambda: pipeline.get_num_layers_to_build(_config(virtual_pipeline_model_parallel_size=0), pp_rank=0), ValueError, "virtual_pipeline_model_parallel_size"),
+    Case("pipeline.PipelineLayout.from_list", "empty", lambda: pipeline.PipelineLayout.from_list([], 1), ValueError, "0 stages"),
+    Case("pipeline.PipelineLayout.from_list", "wrong ndim/shape", lambda: pipeline.PipelineLayout.from_list([["embedding", ["decoder"]]], 1), ValueError, "stage 0"),
+    Case("bpe.Tokenizer.from_files", "invalid UTF-8", lambda: bpe.Tokenizer.from_files(_file("v.json", b'{"\xff": 0}'), _file("m.txt", b"")), ValueError, r"v\.json: not valid UTF-8"),
+]
+
 # Inputs that look unusual but are valid: they must work and equal the plain call.
 ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
     ("checkpoint.assign_bins", "non-contiguous/strided tensor",
@@ -502,6 +519,17 @@ ACCEPTED += [
     ("pipeline.chunk_costs", "requires_grad tensor",
      lambda: pipeline.chunk_costs(_plan(), torch.ones(4, requires_grad=True), 2),
      lambda: pipeline.chunk_costs(_plan(), [1.0] * 4, 2)),
+    ("buckets.compute_full_param_layout", "non-CPU tensor",
+     lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(8, 4, device="meta"))], 16, 2, _DDP).layouts.values()],
+     lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(8, 4))], 16, 2, _DDP).layouts.values()]),
+    ("buckets.compute_per_buffer_param_layout", "empty",
+     lambda: buckets.compute_per_buffer_param_layout([], 10, 2, _DDP).bucket_indices, lambda: []),
+    ("buckets.group_params_for_buffers", "empty", lambda: buckets.group_params_for_buffers([], False), lambda: {}),
+    ("buckets.partition_buckets", "empty", lambda: buckets.partition_buckets([]), lambda: []),
+    ("bpe.Tokenizer.encode", "invalid UTF-8",  # a lone surrogate encodes as U+FFFD, as tiktoken does
+     lambda: _TINY_TOKENIZER.encode("a\ud800b"), lambda: _TINY_TOKENIZER.encode("a\ufffdb")),
+    ("bpe.Tokenizer.encode_batch", "invalid UTF-8",
+     lambda: _TINY_TOKENIZER.encode_batch(["a\ud800b"]), lambda: _TINY_TOKENIZER.encode_batch(["a\ufffdb"])),
     ("bpe.Tokenizer.decode", "numpy/torch integer ids",
      lambda: (_TINY_TOKENIZER.decode(np.array([97, 256])), _TINY_TOKENIZER.decode(torch.tensor([97, 256]))),
      lambda: (_TINY_TOKENIZER.decode([97, 256]),) * 2),
