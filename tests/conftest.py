@@ -40,15 +40,19 @@ def pytest_report_header(config):
 def sigint_repeatedly():
     """Context manager factory: inside the block, SIGINT arrives every 20 ms after `delay` seconds,
     like a user holding Ctrl-C; outside it, stray signals are ignored. No race with fast machines
-    (one fixed-time signal can land after the work is done) nor with slow ones."""
+    (one fixed-time signal can land after the work is done) nor with slow ones. The block gets an
+    object whose `first_signal_at` is the time.monotonic() of the first signal sent (None if none)."""
     import contextlib
     import signal
     import threading
+    import time
+    from types import SimpleNamespace
 
     @contextlib.contextmanager
     def arm(delay: float = 0.02):
         armed = threading.Event()
         stop = threading.Event()
+        signals = SimpleNamespace(first_signal_at=None)
 
         def handler(signum, frame):
             # One KeyboardInterrupt per block: a handler may run at any bytecode, even inside the
@@ -62,6 +66,8 @@ def sigint_repeatedly():
             if stop.wait(delay):
                 return
             while not stop.is_set():
+                if signals.first_signal_at is None:
+                    signals.first_signal_at = time.monotonic()
                 os.kill(os.getpid(), signal.SIGINT)
                 stop.wait(0.02)
 
@@ -70,7 +76,7 @@ def sigint_repeatedly():
         thread = threading.Thread(target=sender, daemon=True)
         thread.start()
         try:
-            yield
+            yield signals
         finally:
             armed.clear()
             stop.set()

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from trainfast import bpe, buckets, checkpoint, eplb, pipeline
+from trainfast.bpe import distributed as bpe_distributed
+from trainfast.bpe import export as bpe_export
+from trainfast.bpe import tokenizer as bpe_tokenizer
+
+with warnings.catch_warnings():
+    # The buckets drop-ins import megatron-core lazily; on CPU machines it warns on import.
+    warnings.simplefilter("ignore")
+    try:
+        import megatron.core.distributed.param_and_grad_buffer  # noqa: F401
+        import megatron.core.optimizer.distrib_optimizer  # noqa: F401
+    except ImportError:
+        pass
 
 
 @dataclass(frozen=True)
@@ -46,11 +60,42 @@ def _tensor_item(sizes, dtype=torch.float32):
     return _Item(WriteItemType.TENSOR, data)
 
 
-def _cli(*argv: str) -> None:
-    """Runs the CLI in-process; a non-zero exit becomes ValueError carrying its log output."""
+def _cli_subprocess(*argv: str) -> None:
+    """Runs `python -m trainfast.cli`; a non-zero exit becomes ValueError carrying its output."""
     out = subprocess.run([sys.executable, "-m", "trainfast.cli", *argv], capture_output=True, text=True)
     if out.returncode != 0:
         raise ValueError(out.stderr + out.stdout)
+
+
+def _cli(*argv: str) -> None:
+    """Runs the CLI's main() in-process; a non-zero exit becomes ValueError carrying what it logged
+    and printed (argparse errors included)."""
+    import contextlib
+    import io
+    import logging
+
+    from trainfast.cli import main
+
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = _Keep(level=logging.ERROR)
+    logger = logging.getLogger("trainfast")
+    logger.addHandler(handler)
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                code = main(list(argv))
+            except SystemExit as exit_:  # argparse's usage errors
+                code = exit_.code
+    finally:
+        logger.removeHandler(handler)
+    if code != 0:
+        raise ValueError("\n".join(records) + err.getvalue())
 
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -67,6 +112,31 @@ def _file(name: str, data: bytes) -> str:
 
 
 LAYOUT = buckets.plan_layout([100, 200, 300], bucket_size=256, data_parallel_world_size=2)
+
+
+def _param(numel: int, requires_grad: bool = True) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(numel), requires_grad=requires_grad)
+
+
+_DDP = SimpleNamespace(pad_buckets_for_high_nccl_busbw=False, grad_reduce_in_fp32=False)
+_W = torch.ones(2, 12)
+_NAN_ROW = torch.tensor([[1.0, float("nan")] * 6] * 2)
+_INF_ROW = torch.tensor([[1.0, float("inf")] * 6] * 2)
+
+
+def _config(**fields) -> SimpleNamespace:
+    """A TransformerConfig stand-in with only the pipeline fields."""
+    return SimpleNamespace(**{"num_layers": 8, "pipeline_model_parallel_size": 2, **fields})
+
+
+def _plan(num_layers: int = 4, pp: int = 2) -> dict:
+    return pipeline.plan_layers(num_layers, pp)
+
+
+def _dir() -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="trainfast-bad-input-"))
 
 CASES: list[Case] = [
     # --- checkpoint.split_by_size_and_type -----------------------------------------------------
@@ -178,6 +248,242 @@ CASES: list[Case] = [
     Case("trainfast eplb (CLI)", "missing/unreadable file", lambda: _cli("eplb", "/nonexistent/loads.npy"), ValueError, "loads.npy"),
 ]
 
+CASES += [
+    # --- checkpoint (more) --------------------------------------------------------------------------
+    Case("checkpoint.split_by_size_and_type", "output too large for memory", lambda: checkpoint.split_by_size_and_type(2**60, []), ValueError, r"list of bins would need .* bytes"),
+    Case("checkpoint.split_by_size_and_type", "empty", lambda: checkpoint.split_by_size_and_type(2, [_Item(_tensor_item((2,)).type, None)]), ValueError, r"items\[0\]"),
+    Case("checkpoint.assign_bins", "output too large for memory", lambda: checkpoint.assign_bins([0], [1], 2**60), ValueError, r"per-bin tables would need"),
+    Case("checkpoint.assign_bins", "wrong type", lambda: checkpoint.assign_bins([0], [1], True), TypeError, "bins"),
+    Case("checkpoint.assign_bins", "int64 overflow", lambda: checkpoint.assign_bins([0], np.array([2**64 - 1], np.uint64), 2), ValueError, "sizes"),
+    Case("checkpoint.write_item_sizes", "malformed object", lambda: checkpoint.write_item_sizes([object()]), TypeError, r"items\[0\]"),
+    Case("checkpoint.write_item_sizes", "negative", lambda: checkpoint.write_item_sizes([_tensor_item((-2,))]), ValueError, r"items\[0\]"),
+    Case("checkpoint.balance_ratio", "empty", lambda: checkpoint.balance_ratio([]), ValueError, "bin_bytes"),
+    Case("checkpoint.balance_ratio", "negative", lambda: checkpoint.balance_ratio([-1, 2]), ValueError, "bin_bytes"),
+    Case("checkpoint.balance_ratio", "wrong type", lambda: checkpoint.balance_ratio("12"), TypeError, "bin_bytes"),
+    Case("checkpoint.balance_ratio", "NaN/inf", lambda: checkpoint.balance_ratio([1.0, float("nan")]), TypeError, "bin_bytes"),
+    # --- buckets: Megatron drop-ins ------------------------------------------------------------------
+    Case("buckets.compute_full_param_layout", "wrong type", lambda: buckets.compute_full_param_layout(5, 100, 2, _DDP), TypeError, "params"),
+    Case("buckets.compute_full_param_layout", "zero", lambda: buckets.compute_full_param_layout([_param(4)], 100, 0, _DDP), ValueError, "data_parallel_world_size"),
+    Case("buckets.compute_full_param_layout", "negative", lambda: buckets.compute_full_param_layout([_param(4)], 100, -2, _DDP), ValueError, "data_parallel_world_size"),
+    Case("buckets.compute_full_param_layout", "wrong type", lambda: buckets.compute_full_param_layout([_param(4)], 100, 2.0, _DDP), TypeError, "data_parallel_world_size"),
+    Case("buckets.compute_full_param_layout", "zero", lambda: buckets.compute_full_param_layout([_param(4)], 0, 2, _DDP), ValueError, "bucket_size"),
+    Case("buckets.compute_full_param_layout", "negative", lambda: buckets.compute_full_param_layout([_param(4)], -5, 2, _DDP), ValueError, "bucket_size"),
+    Case("buckets.compute_full_param_layout", "NaN/inf", lambda: buckets.compute_full_param_layout([_param(4)], float("nan"), 2, _DDP), TypeError, "bucket_size"),
+    Case("buckets.compute_full_param_layout", "malformed string", lambda: buckets.compute_full_param_layout([_param(4)], "100", 2, _DDP), TypeError, "bucket_size"),
+    Case("buckets.compute_full_param_layout", "zero", lambda: buckets.compute_full_param_layout([_param(4)], 100, 2, _DDP, 0), ValueError, "expert_data_parallel_world_size"),
+    Case("buckets.compute_full_param_layout", "wrong value", lambda: buckets.compute_full_param_layout([_param(4, requires_grad=False)], 100, 2, _DDP), AssertionError, r"params\[0\]"),
+    Case("buckets.compute_per_buffer_param_layout", "zero", lambda: buckets.compute_per_buffer_param_layout([_param(4)], 0, 2, _DDP), ValueError, "bucket_size"),
+    Case("buckets.compute_per_buffer_param_layout", "zero", lambda: buckets.compute_per_buffer_param_layout([_param(4)], 10, 0, _DDP), ValueError, "data_parallel_world_size"),
+    Case("buckets.compute_per_buffer_param_layout", "negative", lambda: buckets.compute_per_buffer_param_layout([_param(4)], 10, -1, _DDP), ValueError, "data_parallel_world_size"),
+    Case("buckets.compute_per_buffer_param_layout", "wrong type", lambda: buckets.compute_per_buffer_param_layout(None, 10, 2, _DDP), TypeError, "params"),
+    Case("buckets.compute_default_per_buffer_param_layout", "negative", lambda: buckets.compute_default_per_buffer_param_layout([_param(4)], -1), ValueError, "bucket_size"),
+    Case("buckets.compute_default_per_buffer_param_layout", "zero", lambda: buckets.compute_default_per_buffer_param_layout([_param(4)], 0), ValueError, "bucket_size"),
+    Case("buckets.compute_default_per_buffer_param_layout", "wrong type", lambda: buckets.compute_default_per_buffer_param_layout(None, 10), TypeError, "params"),
+    Case("buckets.group_params_for_buffers", "wrong value", lambda: buckets.group_params_for_buffers([_param(3, requires_grad=False)], False), AssertionError, r"params\[0\]"),
+    Case("buckets.group_params_for_buffers", "wrong type", lambda: buckets.group_params_for_buffers(5, False), TypeError, "params"),
+    Case("buckets.partition_buckets", "wrong type", lambda: buckets.partition_buckets(5), TypeError, "list"),
+    Case("buckets.partition_bucket_indices", "output too large for memory", lambda: buckets.partition_bucket_indices([False, False], [2**40, 2**40]), ValueError, r"would need .* GiB"),
+    Case("buckets.partition_bucket_indices", "int64 overflow", lambda: buckets.partition_bucket_indices([False, False], [2**62, 2**62]), ValueError, "num_buckets"),
+    Case("buckets.partition_bucket_indices", "NaN/inf", lambda: buckets.partition_bucket_indices([False], [float("nan")]), TypeError, "num_buckets"),
+    Case("buckets.partition_bucket_indices", "wrong type", lambda: buckets.partition_bucket_indices("x", [1]), TypeError, "is_uint8"),
+    Case("buckets.default_bucket_size", "zero", lambda: buckets.default_bucket_size(0), ValueError, "data_parallel_world_size"),
+    Case("buckets.default_bucket_size", "wrong type", lambda: buckets.default_bucket_size("8"), TypeError, "data_parallel_world_size"),
+    Case("buckets.shard_ranges", "wrong type", lambda: buckets.shard_ranges(LAYOUT, 1.5), TypeError, "data_parallel_world_size"),
+    Case("buckets.build_model_gbuf_param_range_map", "wrong type", lambda: buckets.build_model_gbuf_param_range_map([], SimpleNamespace(start=0, end=4), 0), TypeError, "param_world_index_map"),
+    Case("buckets.build_model_gbuf_param_range_map", "malformed object", lambda: buckets.build_model_gbuf_param_range_map({"p": 3}, SimpleNamespace(start=0, end=4), 0), ValueError, "param_world_index_map"),
+    Case("buckets.materialize", "wrong ndim/shape", lambda: buckets.materialize(LAYOUT, shapes=[(3,)]), ValueError, "shapes"),
+    Case("buckets.materialize", "negative", lambda: buckets.materialize(LAYOUT, shapes=[(-100,), (200,), (300,)]), ValueError, r"shapes\[0\]"),
+    Case("buckets.materialize", "wrong type", lambda: buckets.materialize("layout"), TypeError, "layout"),
+    # --- pipeline (more) -----------------------------------------------------------------------------
+    Case("pipeline.plan_layers", "output too large for memory", lambda: pipeline.plan_layers(2**40, 2**12, 2**12, method="uneven"), ValueError, r"2\^22 \(got 4096 x 4096\)"),
+    Case("pipeline.plan_layers", "int64 overflow", lambda: pipeline.plan_layers(2**41, 2, 2, method="uneven"), ValueError, "num_layers"),
+    Case("pipeline.plan_layers", "NaN/inf", lambda: pipeline.plan_layers(float("nan"), 2, 2), TypeError, "num_layers"),
+    Case("pipeline.plan_layers", "wrong value", lambda: pipeline.plan_layers(4, 2, 1, method="paddle", stage_ids=[0, -1, 1, 1]), ValueError, r"stage_ids\[1\]"),
+    Case("pipeline.plan_layers", "wrong dtype", lambda: pipeline.plan_layers(4, 2, 1, method="paddle", stage_ids=[0.0, 0.5, 1.0, 1.0]), TypeError, "stage_ids"),
+    Case("pipeline.balanced_layout", "int64 overflow", lambda: pipeline.balanced_layout([1e308] * 8, 2), ValueError, "layer_costs"),
+    Case("pipeline.balanced_layout", "zero", lambda: pipeline.balanced_layout([1.0] * 8, 0), ValueError, "pp"),
+    Case("pipeline.balanced_layout", "wrong type", lambda: pipeline.balanced_layout("1,2", 1), TypeError, "layer_costs"),
+    Case("pipeline.balanced_layout", "output too large for memory", lambda: pipeline.balanced_layout([1.0] * 8, 2**23), ValueError, "pp"),
+    Case("pipeline.chunk_costs", "NaN/inf", lambda: pipeline.chunk_costs(_plan(), [1.0, float("nan"), 1.0, 1.0], 2), ValueError, r"layer_costs\[1\]"),
+    Case("pipeline.chunk_costs", "int64 overflow", lambda: pipeline.chunk_costs(_plan(), [1e308] * 4, 2), ValueError, "layer_costs"),
+    Case("pipeline.chunk_costs", "wrong ndim/shape", lambda: pipeline.chunk_costs(_plan(), [1.0] * 3, 2), ValueError, "layer_costs"),
+    Case("pipeline.chunk_costs", "wrong type", lambda: pipeline.chunk_costs("plan", [1.0] * 4, 2), TypeError, "plan"),
+    Case("pipeline.chunk_costs", "malformed object", lambda: pipeline.chunk_costs({(0, 0): range(0, 3)}, [1.0] * 4, 2), ValueError, "plan"),
+    Case("pipeline.to_layout_str", "zero", lambda: pipeline.to_layout_str({}, 0), ValueError, "pp"),
+    Case("pipeline.to_layout_str", "malformed object", lambda: pipeline.to_layout_str({(0, 0): range(0, 2), (1, 0): range(3, 4)}, 2), ValueError, r"plan\[\(1, 0\)\]"),
+    Case("pipeline.get_num_layers_to_build", "malformed object", lambda: pipeline.get_num_layers_to_build(object(), pp_rank=0), TypeError, "config"),
+    Case("pipeline.get_num_layers_to_build", "negative", lambda: pipeline.get_num_layers_to_build(_config(num_layers=-4), pp_rank=0), ValueError, "num_layers"),
+    Case("pipeline.get_num_layers_to_build", "zero", lambda: pipeline.get_num_layers_to_build(_config(pipeline_model_parallel_size=0), pp_rank=0), ValueError, "pipeline_model_parallel_size"),
+    Case("pipeline.get_num_layers_to_build", "wrong value", lambda: pipeline.get_num_layers_to_build(_config(), pp_rank=2), AssertionError, "pp_rank"),
+    Case("pipeline.get_num_layers_to_build", "indivisible sizes", lambda: pipeline.get_num_layers_to_build(_config(num_layers=5), pp_rank=0), AssertionError, "layer 4 would be lost"),
+    Case("pipeline.get_num_layers_to_build", "wrong type", lambda: pipeline.get_num_layers_to_build(_config(num_layers=4.0), pp_rank=0), TypeError, "num_layers"),
+    Case("pipeline.get_num_layers_to_build", "malformed string", lambda: pipeline.get_num_layers_to_build(_config(num_layers=4, pipeline_model_parallel_layout="E(tt|L"), pp_rank=0), ValueError, "layout"),
+    Case("pipeline.get_transformer_layer_offset", "wrong value", lambda: pipeline.get_transformer_layer_offset(_config(virtual_pipeline_model_parallel_size=2), vp_stage=5, pp_rank=0), AssertionError, "vp_stage"),
+    Case("pipeline.get_transformer_layer_offset", "negative", lambda: pipeline.get_transformer_layer_offset(_config(), pp_rank=-1), AssertionError, "pp_rank"),
+    Case("pipeline.get_transformer_layer_offset", "wrong type", lambda: pipeline.get_transformer_layer_offset(_config(), pp_rank="0"), TypeError, "pp_rank"),
+    Case("pipeline.PipelineLayout.from_list", "wrong value", lambda: pipeline.PipelineLayout.from_list([["embedding", "foo"]], 1), ValueError, "foo"),
+    Case("pipeline.PipelineLayout.from_list", "zero", lambda: pipeline.PipelineLayout.from_list([["embedding"], ["loss"]], 0), ValueError, "pipeline_model_parallel_size"),
+    Case("pipeline.PipelineLayout.from_list", "indivisible sizes", lambda: pipeline.PipelineLayout.from_list([["embedding"], ["decoder"], ["loss"]], 2), ValueError, "multiple of pipeline_model_parallel_size"),
+    Case("pipeline.PipelineLayout.from_megatron", "malformed object", lambda: pipeline.PipelineLayout.from_megatron(object()), TypeError, "layout"),
+    Case("pipeline.PipelineLayout.from_str", "output too large for memory", lambda: pipeline.PipelineLayout.from_str("E|(t|)*99999999999|L", 2), ValueError, "repeat count larger than"),
+    Case("pipeline.PipelineLayout.from_str", "empty", lambda: pipeline.PipelineLayout.from_str("", 1), ValueError, "no layers"),
+    Case("pipeline.PipelineLayout.from_str", "wrong type", lambda: pipeline.PipelineLayout.from_str(b"Et|tL", 2), TypeError, "layout"),
+    Case("pipeline.PipelineLayout.from_str", "invalid UTF-8", lambda: pipeline.PipelineLayout.from_str("Et|t\u00e9L", 2), ValueError, "invalid layer character"),
+    # --- eplb (more) ----------------------------------------------------------------------------------
+    Case("eplb.rebalance_experts", "wrong value", lambda: eplb.rebalance_experts(_W, 16, 4, 2, 8, previous_phy2log=torch.zeros(2, 5, dtype=torch.long)), ValueError, "previous_phy2log"),
+    Case("eplb.rebalance_experts", "wrong dtype", lambda: eplb.rebalance_experts(_W, 16, 4, 2, 8, previous_phy2log=torch.zeros(2, 16)), TypeError, "previous_phy2log"),
+    Case("eplb.rebalance_experts", "zero", lambda: eplb.rebalance_experts(_W, 16, 4, 2, 8, num_threads=0), ValueError, "num_threads"),
+    Case("eplb.rebalance_experts", "NaN/inf", lambda: eplb.rebalance_experts(torch.tensor([[1.0, float("inf")]] * 2), 4, 1, 1, 2), ValueError, "layer"),
+    Case("eplb.rebalance_experts_hierarchical", "wrong dtype", lambda: eplb.rebalance_experts_hierarchical(_W.double(), 16, 4, 2, 8), TypeError, "weight"),
+    Case("eplb.rebalance_experts_hierarchical", "wrong type", lambda: eplb.rebalance_experts_hierarchical("w", 16, 4, 2, 8), TypeError, "weight"),
+    Case("eplb.rebalance_experts_hierarchical", "wrong ndim/shape", lambda: eplb.rebalance_experts_hierarchical(torch.ones(12), 16, 4, 2, 8), AssertionError, "weight"),
+    Case("eplb.rebalance_experts_hierarchical", "empty", lambda: eplb.rebalance_experts_hierarchical(torch.ones(0, 12), 16, 4, 2, 8), AssertionError, "weight"),
+    Case("eplb.rebalance_experts_hierarchical", "zero", lambda: eplb.rebalance_experts_hierarchical(_W, 16, 0, 2, 8), AssertionError, "num_groups"),
+    Case("eplb.rebalance_experts_hierarchical", "negative", lambda: eplb.rebalance_experts_hierarchical(_W, -16, 4, 2, 8), AssertionError, "num_physical_experts"),
+    Case("eplb.rebalance_experts_hierarchical", "indivisible sizes", lambda: eplb.rebalance_experts_hierarchical(_W, 16, 5, 1, 8), AssertionError, "num_groups"),
+    Case("eplb.rebalance_experts_hierarchical", "NaN/inf", lambda: eplb.rebalance_experts_hierarchical(_NAN_ROW, 16, 4, 2, 8), ValueError, r"weight\[0, 1\]"),
+    Case("eplb.rebalance_experts_hierarchical", "NaN/inf", lambda: eplb.rebalance_experts_hierarchical(_INF_ROW, 16, 4, 2, 8), ValueError, r"weight\[0, 1\]"),
+    Case("eplb.rebalance_experts_hierarchical", "negative", lambda: eplb.rebalance_experts_hierarchical(-_W, 16, 4, 2, 8), ValueError, r"weight\[0, 0\]"),
+    Case("eplb.rebalance_experts_hierarchical", "malformed string", lambda: eplb.rebalance_experts_hierarchical(_W, 16, 4, 2, 8, tie_break="x"), ValueError, "tie_break"),
+    Case("eplb.rebalance_experts_hierarchical", "wrong type", lambda: eplb.rebalance_experts_hierarchical(_W, 16.0, 4, 2, 8), TypeError, "num_physical_experts"),
+    Case("eplb.rebalance_experts_hierarchical", "output too large for memory", lambda: eplb.rebalance_experts_hierarchical(torch.ones(100_000, 8), 2**30, 1, 1, 8), ValueError, r"would need .* GiB"),
+    Case("eplb.balanced_packing", "wrong type", lambda: eplb.balanced_packing("w", 2), TypeError, "weight"),
+    Case("eplb.balanced_packing", "wrong ndim/shape", lambda: eplb.balanced_packing(torch.ones(4), 2), AssertionError, "weight"),
+    Case("eplb.balanced_packing", "empty", lambda: eplb.balanced_packing(torch.ones(0, 4), 2), AssertionError, "weight"),
+    Case("eplb.balanced_packing", "zero", lambda: eplb.balanced_packing(torch.ones(2, 4), 0), AssertionError, "num_packs"),
+    Case("eplb.balanced_packing", "negative", lambda: eplb.balanced_packing(torch.ones(2, 4), -2), AssertionError, "num_packs"),
+    Case("eplb.balanced_packing", "NaN/inf", lambda: eplb.balanced_packing(torch.tensor([[1.0, float("nan"), 1.0, 1.0]]), 2), ValueError, r"weight\[0, 1\]"),
+    Case("eplb.balanced_packing", "wrong dtype", lambda: eplb.balanced_packing(torch.ones(2, 4, dtype=torch.bool), 2), TypeError, "weight"),
+    Case("eplb.balanced_packing", "wrong dtype", lambda: eplb.balanced_packing(torch.ones(2, 4, dtype=torch.complex64), 2), TypeError, "weight"),
+    Case("eplb.replicate_experts", "zero", lambda: eplb.replicate_experts(torch.ones(2, 4), 0), AssertionError, "num_phy"),
+    Case("eplb.replicate_experts", "wrong type", lambda: eplb.replicate_experts("w", 4), TypeError, "weight"),
+    Case("eplb.replicate_experts", "NaN/inf", lambda: eplb.replicate_experts(torch.tensor([[1.0, float("nan")]]), 4), ValueError, r"weight\[0, 1\]"),
+    Case("eplb.replicate_experts", "empty", lambda: eplb.replicate_experts(torch.ones(0, 4), 4), AssertionError, "weight"),
+    Case("eplb.replicate_experts", "wrong ndim/shape", lambda: eplb.replicate_experts(torch.ones(1, 2, 4), 4), AssertionError, "weight"),
+    Case("eplb.replicate_experts", "wrong type", lambda: eplb.replicate_experts(torch.ones(2, 4), 4.5), TypeError, "num_phy"),
+    Case("eplb.replicate_experts", "output too large for memory", lambda: eplb.replicate_experts(torch.ones(100_000, 8), 2**30), ValueError, r"would need .* GiB"),
+    # --- bpe (more) -----------------------------------------------------------------------------------
+    Case("bpe.save", "wrong type", lambda: bpe.save([b"a"], [], _dir() / "tok"), TypeError, "vocab"),
+    Case("bpe.save", "wrong dtype", lambda: bpe.save({0: "a"}, [], _dir() / "tok"), TypeError, "vocab"),
+    Case("bpe.save", "negative", lambda: bpe.save({-1: b"a"}, [], _dir() / "tok"), ValueError, "vocab ids"),
+    Case("bpe.save", "int64 overflow", lambda: bpe.save({2**70: b"a"}, [], _dir() / "tok"), ValueError, "vocab ids"),
+    Case("bpe.save", "malformed object", lambda: bpe.save(_TINY_VOCAB, [(b"a",)], _dir() / "tok"), TypeError, r"merges\[0\]"),
+    Case("bpe.save", "wrong dtype", lambda: bpe.save(_TINY_VOCAB, [("a", "b")], _dir() / "tok"), TypeError, r"merges\[0\]"),
+    Case("bpe.save", "missing/unreadable file", lambda: bpe.save(_TINY_VOCAB, [], _file("not-a-dir", b"x")), OSError, "not-a-dir"),
+    Case("bpe.load", "malformed string", lambda: bpe.load(Path(_file("vocab.json", b"")).parent), ValueError, r"vocab\.json: malformed JSON"),
+    Case("bpe.load", "invalid UTF-8", lambda: bpe.load(Path(_file("vocab.json", b'{"\xff": 0}')).parent), ValueError, r"vocab\.json"),
+    Case("bpe.tokenizer.load_vocab", "invalid UTF-8", lambda: bpe_tokenizer.load_vocab(_file("v.json", b'{"\xff": 0}')), ValueError, r"v\.json: not valid UTF-8"),
+    Case("bpe.tokenizer.load_vocab", "malformed object", lambda: bpe_tokenizer.load_vocab(_file("v.json", b"[1, 2]")), ValueError, r"v\.json:1"),
+    Case("bpe.tokenizer.load_vocab", "negative", lambda: bpe_tokenizer.load_vocab(_file("v.json", b'{"a": -1}')), ValueError, "id of 'a'"),
+    Case("bpe.tokenizer.load_vocab", "wrong dtype", lambda: bpe_tokenizer.load_vocab(_file("v.json", b'{"a": 1.5}')), ValueError, "id of 'a'"),
+    Case("bpe.tokenizer.load_vocab", "wrong value", lambda: bpe_tokenizer.load_vocab(_file("v.json", b'{"a": 1, "b": 1}')), ValueError, "already used"),
+    Case("bpe.tokenizer.load_vocab", "int64 overflow", lambda: bpe_tokenizer.load_vocab(_file("v.json", b'{"a": 99999999999999999999999}')), ValueError, "id of 'a'"),
+    Case("bpe.tokenizer.load_vocab", "malformed string", lambda: bpe_tokenizer.load_vocab(_file("v.json", "{\"\u4e00\": 1}".encode())), ValueError, "byte map"),
+    Case("bpe.tokenizer.load_vocab", "missing/unreadable file", lambda: bpe_tokenizer.load_vocab("/nonexistent/v.json"), OSError, "v.json"),
+    Case("bpe.tokenizer.load_merges", "malformed string", lambda: bpe_tokenizer.load_merges(_file("m.txt", b"a b c\n")), ValueError, r"m\.txt:1"),
+    Case("bpe.tokenizer.load_merges", "invalid UTF-8", lambda: bpe_tokenizer.load_merges(_file("m.txt", b"a \xff\n")), ValueError, r"m\.txt: not valid UTF-8"),
+    Case("bpe.tokenizer.load_merges", "missing/unreadable file", lambda: bpe_tokenizer.load_merges("/nonexistent/m.txt"), OSError, "m.txt"),
+    Case("bpe.Tokenizer", "wrong type", lambda: bpe.Tokenizer(_TINY_VOCAB, 5), TypeError, "merges"),
+    Case("bpe.Tokenizer", "wrong dtype", lambda: bpe.Tokenizer(_TINY_VOCAB, [], [5]), TypeError, r"special_tokens\[0\]"),
+    Case("bpe.Tokenizer", "empty", lambda: bpe.Tokenizer(_TINY_VOCAB, [], [""]), ValueError, r"special_tokens\[0\]"),
+    Case("bpe.Tokenizer", "malformed string", lambda: bpe.Tokenizer(_TINY_VOCAB, [], pattern="gpt9"), ValueError, "pattern"),
+    Case("bpe.Tokenizer", "output too large for memory", lambda: bpe.Tokenizer(_TINY_VOCAB | {2**31 - 1: b"abab"}, []), ValueError, r"would need .* GiB"),
+    Case("bpe.Tokenizer", "int64 overflow", lambda: bpe.Tokenizer(_TINY_VOCAB | {2**31: b"abab"}, []), ValueError, "vocab ids"),
+    Case("bpe.Tokenizer", "negative", lambda: bpe.Tokenizer(_TINY_VOCAB | {-5: b"abab"}, []), ValueError, "vocab ids"),
+    Case("bpe.Tokenizer", "empty", lambda: bpe.Tokenizer({}, []), ValueError, "vocab"),
+    Case("bpe.Tokenizer", "empty", lambda: bpe.Tokenizer(_TINY_VOCAB | {300: b""}, []), ValueError, r"vocab\[300\]"),
+    Case("bpe.Tokenizer.encode", "wrong type", lambda: _TINY_TOKENIZER.encode(b"ab"), TypeError, "text"),
+    Case("bpe.Tokenizer.encode", "wrong type", lambda: _TINY_TOKENIZER.encode(None), TypeError, "text"),
+    Case("bpe.Tokenizer.encode_batch", "wrong type", lambda: _TINY_TOKENIZER.encode_batch("abc"), TypeError, "texts"),
+    Case("bpe.Tokenizer.encode_batch", "wrong dtype", lambda: _TINY_TOKENIZER.encode_batch(["a", 5]), TypeError, r"texts\[1\]"),
+    Case("bpe.Tokenizer.encode_batch", "zero", lambda: _TINY_TOKENIZER.encode_batch(["a"], num_threads=0), ValueError, "num_threads"),
+    Case("bpe.Tokenizer.encode_iterable", "wrong type", lambda: list(_TINY_TOKENIZER.encode_iterable(5)), TypeError, "iterable"),
+    Case("bpe.Tokenizer.encode_iterable", "wrong dtype", lambda: list(_TINY_TOKENIZER.encode_iterable(["a", 5])), TypeError, "item 1"),
+    Case("bpe.Tokenizer.decode", "wrong type", lambda: _TINY_TOKENIZER.decode("abc"), TypeError, "ids"),
+    Case("bpe.Tokenizer.decode", "wrong dtype", lambda: _TINY_TOKENIZER.decode([1.5]), TypeError, r"ids\[0\]"),
+    Case("bpe.Tokenizer.decode_bytes", "negative", lambda: _TINY_TOKENIZER.decode_bytes([-1]), ValueError, r"ids\[0\]"),
+    Case("bpe.pretokenize", "wrong type", lambda: bpe.pretokenize(None), TypeError, "text"),
+    Case("bpe.pretokenize", "wrong dtype", lambda: bpe.pretokenize("x", special_tokens=[5]), TypeError, r"special_tokens\[0\]"),
+    Case("bpe.pretokenize", "wrong type", lambda: bpe.pretokenize("x", special_tokens="abc"), TypeError, "special_tokens"),
+    Case("bpe.pretokenize", "malformed string", lambda: bpe.pretokenize("x", pattern="("), ValueError, "pattern"),
+    Case("bpe.count_pretokens", "negative", lambda: bpe.count_pretokens(iter(["x"]), num_threads=-1), ValueError, "num_threads"),
+    Case("bpe.count_pretokens", "malformed string", lambda: bpe.count_pretokens(iter(["x"]), errors="x"), ValueError, "errors"),
+    Case("bpe.count_pretokens", "wrong type", lambda: bpe.count_pretokens(5), TypeError, "inputs"),
+    Case("bpe.count_pretokens", "wrong dtype", lambda: bpe.count_pretokens(iter([5])), TypeError, r"inputs\[0\]"),
+    Case("bpe.count_pretokens", "invalid UTF-8", lambda: bpe.count_pretokens(iter(["a\ud800"])), ValueError, r"inputs\[0\]"),
+    Case("bpe.count_pretokens", "missing/unreadable file", lambda: bpe.count_pretokens(str(_dir())), OSError, "trainfast-bad-input"),
+    Case("bpe.count_words", "zero", lambda: bpe.count_words(iter(["x"]), num_threads=0), ValueError, "num_threads"),
+    Case("bpe.count_words", "missing/unreadable file", lambda: bpe.count_words("/nonexistent/x.txt"), OSError, "x.txt"),
+    Case("bpe.count_words", "invalid UTF-8", lambda: bpe.count_words(_file("bad.txt", b"ok \xff")), ValueError, "byte offset 3"),
+    Case("bpe.train_bpe", "negative", lambda: bpe.train_bpe(iter(["x"]), -5), ValueError, "vocab_size"),
+    Case("bpe.train_bpe", "wrong type", lambda: bpe.train_bpe(iter(["x"]), 300.0), TypeError, "vocab_size"),
+    Case("bpe.train_bpe", "empty", lambda: bpe.train_bpe(iter(["x"]), 300, [""]), ValueError, "special_tokens"),
+    Case("bpe.train_bpe", "wrong dtype", lambda: bpe.train_bpe(iter(["x"]), 300, [5]), TypeError, "special_tokens"),
+    Case("bpe.train_bpe", "malformed string", lambda: bpe.train_bpe(iter(["x"]), 300, pattern="("), ValueError, "pattern"),
+    Case("bpe.train_bpe", "zero", lambda: bpe.train_bpe(iter(["x"]), 300, num_threads=0), ValueError, "num_threads"),
+    Case("bpe.train_from_counts", "negative", lambda: bpe.train_from_counts({b"ab": -1}, 300), ValueError, "word_counts"),
+    Case("bpe.train_from_counts", "zero", lambda: bpe.train_from_counts({b"ab": 0}, 300), ValueError, "word_counts"),
+    Case("bpe.train_from_counts", "wrong dtype", lambda: bpe.train_from_counts({"ab": 1}, 300), TypeError, "word_counts"),
+    Case("bpe.train_from_counts", "wrong dtype", lambda: bpe.train_from_counts({b"ab": 1.5}, 300), TypeError, "word_counts"),
+    Case("bpe.train_from_counts", "int64 overflow", lambda: bpe.train_from_counts({b"ab": 2**62, b"abc": 2**62}, 300), ValueError, "word_counts"),
+    Case("bpe.train_from_counts", "int64 overflow", lambda: bpe.train_from_counts({b"ab": 2**64}, 300), ValueError, "word_counts"),
+    Case("bpe.train_from_counts", "wrong type", lambda: bpe.train_from_counts([b"ab"], 300), TypeError, "word_counts"),
+    Case("bpe.train_from_counts", "wrong value", lambda: bpe.train_from_counts({b"ab": 1}, 100), ValueError, "vocab_size"),
+    Case("bpe.train_from_counts", "NaN/inf", lambda: bpe.train_from_counts({b"ab": float("nan")}, 300), TypeError, "word_counts"),
+    Case("bpe.WordCounts.load", "missing/unreadable file", lambda: bpe.WordCounts.load("/nonexistent/c.tfwc"), OSError, "c.tfwc"),
+    Case("bpe.WordCounts.load", "malformed string", lambda: bpe.WordCounts.load(_file("g.tfwc", b"\x00" * 100)), ValueError, r"g\.tfwc"),
+    Case("bpe.WordCounts.from_bytes", "wrong value", lambda: bpe.WordCounts.from_bytes(bpe.count_words(iter(["hello world"]), show_progress=False).to_bytes()[:-3]), ValueError, "truncated"),
+    Case("bpe.export.to_hf_tokenizer_json", "wrong value", lambda: bpe_export.to_hf_tokenizer_json(_TINY_VOCAB, [(b"a", b"zz")], None, _dir() / "t.json"), ValueError, r"merges\[0\]"),
+    Case("bpe.export.to_hf_tokenizer_json", "malformed string", lambda: bpe_export.to_hf_tokenizer_json(_TINY_VOCAB, [], None, _dir() / "t.json", pattern="("), ValueError, "pattern"),
+    Case("bpe.export.to_tiktoken", "wrong dtype", lambda: bpe_export.to_tiktoken({0: "a"}, [], None), TypeError, r"vocab\[0\]"),
+    Case("bpe.export.to_tiktoken", "wrong dtype", lambda: bpe_export.to_tiktoken(_TINY_VOCAB, [], [5]), TypeError, r"special_tokens\[0\]"),
+    Case("bpe.distributed.shard_files", "zero", lambda: bpe_distributed.shard_files([_file("a.txt", b"x")], 0), ValueError, "world_size"),
+    Case("bpe.distributed.shard_files", "missing/unreadable file", lambda: bpe_distributed.shard_files("/nonexistent/abc.txt", 2), OSError, "abc.txt"),
+    Case("bpe.distributed.shard_files", "wrong type", lambda: bpe_distributed.shard_files(5, 2), TypeError, "paths"),
+    # --- CLI (more) -----------------------------------------------------------------------------------
+    Case("trainfast (CLI, subprocess)", "malformed string", lambda: _cli_subprocess("checkpoint", "--bins", "many"), ValueError, "--bins"),
+    Case("trainfast checkpoint (CLI)", "negative", lambda: _cli("checkpoint", "--bins", "-2"), ValueError, "bins"),
+    Case("trainfast checkpoint (CLI)", "malformed string", lambda: _cli("checkpoint", "--layers", "4x"), ValueError, "--layers"),
+    Case("trainfast checkpoint (CLI)", "negative", lambda: _cli("checkpoint", "--layers", "-1"), ValueError, "layers"),
+    Case("trainfast pipeline (CLI)", "zero", lambda: _cli("pipeline", "--pp", "0"), ValueError, "pp"),
+    Case("trainfast pipeline (CLI)", "NaN/inf", lambda: _cli("pipeline", "--method", "balanced", "--costs", "1,nan,1,1", "--pp", "2"), ValueError, "cost"),
+    Case("trainfast pipeline (CLI)", "malformed string", lambda: _cli("pipeline", "--method", "paddle", "--stage-ids", "0,x", "--pp", "2"), ValueError, "stage"),
+    Case("trainfast pipeline (CLI)", "wrong value", lambda: _cli("pipeline", "--method", "bogus"), ValueError, "--method"),
+    Case("trainfast pipeline (CLI)", "indivisible sizes", lambda: _cli("pipeline", "--num-layers", "7", "--pp", "2"), ValueError, "lost"),
+    Case("trainfast buckets (CLI)", "negative", lambda: _cli("buckets", "--bucket-size", "-5"), ValueError, "bucket"),
+    Case("trainfast buckets (CLI)", "zero", lambda: _cli("buckets", "--expert-dp", "0"), ValueError, "dp"),
+    Case("trainfast buckets (CLI)", "malformed string", lambda: _cli("buckets", "--model", _file("spec.json", b"{not json")), ValueError, "spec.json"),
+    Case("trainfast buckets (CLI)", "negative", lambda: _cli("buckets", "--layers", "-1"), ValueError, "layers"),
+    Case("trainfast bpe train (CLI)", "wrong value", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "10", "--out", str(_dir() / "o")), ValueError, "vocab_size"),
+    Case("trainfast bpe train (CLI)", "invalid UTF-8", lambda: _cli("bpe", "train", _file("c.txt", b"ok \xff"), "--vocab-size", "300", "--out", str(_dir() / "o"), "--no-progress"), ValueError, "byte offset 3"),
+    Case("trainfast bpe train (CLI)", "malformed string", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "300", "--pattern", "(", "--out", str(_dir() / "o")), ValueError, "pattern"),
+    Case("trainfast bpe train (CLI)", "zero", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "300", "--threads", "0", "--out", str(_dir() / "o")), ValueError, "threads"),
+    Case("trainfast bpe count (CLI)", "missing/unreadable file", lambda: _cli("bpe", "count", "/nonexistent/c.txt", "--out", str(_dir() / "c.tfwc")), ValueError, "c.txt"),
+    Case("trainfast bpe encode (CLI)", "missing/unreadable file", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir() / "ids.npy")), ValueError, "nonexistent"),
+    Case("trainfast bpe export (CLI)", "missing/unreadable file", lambda: _cli("bpe", "export", "--tokenizer", "/nonexistent/tok", "--hf", str(_dir() / "t.json")), ValueError, "nonexistent"),
+    Case("trainfast pretokenize (CLI)", "invalid UTF-8", lambda: _cli("pretokenize", _file("c.txt", b"ok \xff")), ValueError, "byte offset 3"),
+    Case("trainfast pretokenize (CLI)", "missing/unreadable file", lambda: _cli("pretokenize", "/nonexistent/c.txt"), ValueError, "c.txt"),
+    Case("trainfast eplb (CLI)", "zero", lambda: _cli("eplb", "--gpus", "0"), ValueError, "gpus"),
+    Case("trainfast eplb (CLI)", "indivisible sizes", lambda: _cli("eplb", "--replicas", "300", "--gpus", "32"), ValueError, "replicas"),
+]
+
+CASES += [
+    Case("buckets.compute_full_param_layout", "NaN/inf", lambda: buckets.compute_full_param_layout([_param(4)], 100, float("inf"), _DDP), TypeError, "data_parallel_world_size"),
+    Case("buckets.compute_per_buffer_param_layout", "NaN/inf", lambda: buckets.compute_per_buffer_param_layout([_param(4)], float("inf"), 2, _DDP), TypeError, "bucket_size"),
+    Case("buckets.compute_per_buffer_param_layout", "malformed string", lambda: buckets.compute_per_buffer_param_layout([_param(4)], 10, "2", _DDP), TypeError, "data_parallel_world_size"),
+    Case("buckets.compute_default_per_buffer_param_layout", "wrong dtype", lambda: buckets.compute_default_per_buffer_param_layout([_param(4)], 2.5), TypeError, "bucket_size"),
+    Case("buckets.default_bucket_size", "negative", lambda: buckets.default_bucket_size(-1), ValueError, "data_parallel_world_size"),
+    Case("buckets.default_bucket_size", "NaN/inf", lambda: buckets.default_bucket_size(float("nan")), TypeError, "data_parallel_world_size"),
+    Case("pipeline.to_layout_str", "wrong type", lambda: pipeline.to_layout_str("x", 2), TypeError, "plan"),
+    Case("pipeline.to_layout_str", "negative", lambda: pipeline.to_layout_str(_plan(), -2), ValueError, "pp"),
+    Case("pipeline.to_layout_str", "NaN/inf", lambda: pipeline.to_layout_str(_plan(), 2, float("inf")), TypeError, "vpp"),
+    Case("pipeline.get_transformer_layer_offset", "NaN/inf", lambda: pipeline.get_transformer_layer_offset(_config(num_layers=float("nan")), pp_rank=0), TypeError, "num_layers"),
+    Case("pipeline.get_num_layers_to_build", "zero", lambda: pipeline.get_num_layers_to_build(_config(virtual_pipeline_model_parallel_size=0), pp_rank=0), ValueError, "virtual_pipeline_model_parallel_size"),
+    Case("pipeline.PipelineLayout.from_list", "empty", lambda: pipeline.PipelineLayout.from_list([], 1), ValueError, "0 stages"),
+    Case("pipeline.PipelineLayout.from_list", "wrong ndim/shape", lambda: pipeline.PipelineLayout.from_list([["embedding", ["decoder"]]], 1), ValueError, "stage 0"),
+    Case("bpe.Tokenizer.from_files", "invalid UTF-8", lambda: bpe.Tokenizer.from_files(_file("v.json", b'{"\xff": 0}'), _file("m.txt", b"")), ValueError, r"v\.json: not valid UTF-8"),
+]
+
 # Inputs that look unusual but are valid: they must work and equal the plain call.
 ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
     ("checkpoint.assign_bins", "non-contiguous/strided tensor",
@@ -196,6 +502,37 @@ ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
      lambda: pipeline.balanced_layout([1.0] * 8, 2, 2)[1]),
 ]
 ACCEPTED += [
+    ("buckets.compute_full_param_layout", "empty",
+     lambda: buckets.compute_full_param_layout([], 100, 2, _DDP).layouts, lambda: {}),
+    ("buckets.compute_full_param_layout", "non-contiguous/strided tensor",
+     lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(8, 8)[:, ::2])], 16, 2, _DDP).layouts.values()],
+     lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(8, 4))], 16, 2, _DDP).layouts.values()]),
+    ("eplb.rebalance_experts_hierarchical", "non-contiguous/strided tensor",
+     lambda: eplb.rebalance_experts_hierarchical(torch.arange(48.0).reshape(4, 12)[::2], 16, 4, 2, 8)[0].tolist(),
+     lambda: eplb.rebalance_experts_hierarchical(torch.arange(48.0).reshape(4, 12)[::2].contiguous(), 16, 4, 2, 8)[0].tolist()),
+    ("eplb.rebalance_experts_hierarchical", "requires_grad tensor",
+     lambda: eplb.rebalance_experts_hierarchical(torch.ones(2, 12, requires_grad=True), 16, 4, 2, 8)[0].tolist(),
+     lambda: eplb.rebalance_experts_hierarchical(torch.ones(2, 12), 16, 4, 2, 8)[0].tolist()),
+    ("eplb.balanced_packing", "non-contiguous/strided tensor",
+     lambda: eplb.balanced_packing(torch.arange(16.0).reshape(4, 4)[::2], 2)[0].tolist(),
+     lambda: eplb.balanced_packing(torch.arange(16.0).reshape(4, 4)[::2].contiguous(), 2)[0].tolist()),
+    ("pipeline.chunk_costs", "requires_grad tensor",
+     lambda: pipeline.chunk_costs(_plan(), torch.ones(4, requires_grad=True), 2),
+     lambda: pipeline.chunk_costs(_plan(), [1.0] * 4, 2)),
+    ("buckets.compute_full_param_layout", "non-CPU tensor",
+     lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(8, 4, device="meta"))], 16, 2, _DDP).layouts.values()],
+     lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(8, 4))], 16, 2, _DDP).layouts.values()]),
+    ("buckets.compute_per_buffer_param_layout", "empty",
+     lambda: buckets.compute_per_buffer_param_layout([], 10, 2, _DDP).bucket_indices, lambda: []),
+    ("buckets.group_params_for_buffers", "empty", lambda: buckets.group_params_for_buffers([], False), lambda: {}),
+    ("buckets.partition_buckets", "empty", lambda: buckets.partition_buckets([]), lambda: []),
+    ("bpe.Tokenizer.encode", "invalid UTF-8",  # a lone surrogate encodes as U+FFFD, as tiktoken does
+     lambda: _TINY_TOKENIZER.encode("a\ud800b"), lambda: _TINY_TOKENIZER.encode("a\ufffdb")),
+    ("bpe.Tokenizer.encode_batch", "invalid UTF-8",
+     lambda: _TINY_TOKENIZER.encode_batch(["a\ud800b"]), lambda: _TINY_TOKENIZER.encode_batch(["a\ufffdb"])),
+    ("bpe.Tokenizer.decode", "numpy/torch integer ids",
+     lambda: (_TINY_TOKENIZER.decode(np.array([97, 256])), _TINY_TOKENIZER.decode(torch.tensor([97, 256]))),
+     lambda: (_TINY_TOKENIZER.decode([97, 256]),) * 2),
     ("eplb.rebalance_experts", "non-contiguous/strided tensor",
      lambda: eplb.rebalance_experts(torch.arange(48.0).reshape(4, 12)[::2], 16, 4, 2, 8)[0].tolist(),
      lambda: eplb.rebalance_experts(torch.arange(48.0).reshape(4, 12)[::2].contiguous(), 16, 4, 2, 8)[0].tolist()),
@@ -242,6 +579,40 @@ def test_failed_calls_mutate_nothing():
     assert torch.equal(sizes, before[0]) and items == before[1]
 
 
+def test_failed_calls_write_nothing(tmp_path):
+    out = tmp_path / "tok"
+    with pytest.raises(TypeError):
+        bpe.save(_TINY_VOCAB, [(b"a",)], out)
+    with pytest.raises(ValueError):
+        bpe.save({-1: b"a"}, [], out)
+    with pytest.raises(ValueError):
+        bpe_export.to_hf_tokenizer_json(_TINY_VOCAB, [], None, tmp_path / "t.json", pattern="(")
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(b"ok \xff")
+    with pytest.raises(ValueError):
+        _cli("bpe", "train", str(corpus), "--vocab-size", "300", "--out", str(out), "--no-progress")
+    with pytest.raises(ValueError):
+        _cli("bpe", "count", str(corpus), "--out", str(tmp_path / "c.tfwc"), "--no-progress")
+    with pytest.raises(ValueError):
+        _cli("eplb", "--gpus", "0", "--save", str(tmp_path / "plan.pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+
+
+def test_failed_calls_leave_inputs_unchanged():
+    weight = torch.tensor([[1.0, float("nan")] * 6] * 2)
+    costs = np.array([1.0, 2.0, float("nan"), 1.0])
+    vocab = dict(_TINY_VOCAB) | {-5: b"abab"}
+    before = (weight.clone(), costs.copy(), dict(vocab))
+    with pytest.raises(ValueError):
+        eplb.rebalance_experts(weight, 16, 4, 2, 8)
+    with pytest.raises(ValueError):
+        pipeline.balanced_layout(costs, 2)
+    with pytest.raises(ValueError):
+        bpe.Tokenizer(vocab, [])
+    assert torch.equal(weight.isnan(), before[0].isnan()) and torch.equal(weight.nan_to_num(), before[0].nan_to_num())
+    assert np.array_equal(costs, before[1], equal_nan=True) and vocab == before[2]
+
+
 def matrix_markdown() -> str:
     classes = sorted({c.bad_class for c in CASES} | {b for _, b, _, _ in ACCEPTED})
     functions = list(dict.fromkeys([c.function for c in CASES] + [a for a, _, _, _ in ACCEPTED]))
@@ -261,6 +632,7 @@ def matrix_markdown() -> str:
         "- `reference/`: readable pure-Python oracles; every native path is diffed against them.\n"
         "- `test_<domain>.py`: differential tests, worked examples from the issues, invariants, bad input.\n"
         "- `test_concurrency.py`: many threads at once, fork() after a call, thread-count determinism.\n"
+        "- `test_interrupts.py`: Ctrl-C stops every large plan within 1 s, leaving no thread behind.\n"
         "- `test_bad_input.py`: the matrix below.\n\n"
         "## Bad-input matrix\n\n"
         "Generated by `python tests/test_bad_input.py > tests/README.md` (a test checks it is current).\n"

@@ -1,4 +1,5 @@
 // Bindings for BPE encoding/decoding: str in / list[int] out, batches encoded without the GIL.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -6,6 +7,7 @@
 
 #include "bindings/common.h"
 #include "bpe/encode.h"
+#include "common/memory.h"
 
 namespace trainfast::bindings {
 namespace {
@@ -86,6 +88,11 @@ class Encoder {
     if (pattern < 0 || pattern > 2) {
       throw py::value_error("pattern must be 0 (gpt2), 1 (cl100k) or 2 (o200k) (got " + std::to_string(pattern) + ")");
     }
+    // Tables are indexed by id up to the largest: refuse a sparse vocab whose tables cannot fit.
+    const auto id_span = span_1d(ids, "ids");
+    const int64_t max_id = id_span.empty() ? -1 : *std::max_element(id_span.begin(), id_span.end());
+    // Per id: token offset (8) and length (4) in the core, a list slot (8) and an int object (32) here.
+    check_output_fits("Tokenizer: the tables indexed by token id up to the largest vocab id", max_id + 1, 52);
     encoder_ = std::make_unique<bpe::BpeEncoder>(
         token_views, span_1d(ids, "ids"), span_1d(merge_left, "merge_left"), span_1d(merge_right, "merge_right"),
         span_1d(merge_result, "merge_result"), special_views, span_1d(special_ids, "special_ids"),

@@ -5,6 +5,7 @@
 #include "bindings/common.h"
 #include "checkpoint/binning.h"
 #include "common/checked_math.h"
+#include "common/memory.h"
 
 namespace trainfast::bindings {
 namespace {
@@ -89,6 +90,8 @@ ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
   PyObject* last_dtype = nullptr;  // dtypes repeat: skip the dict lookup for a run of equal ones
   int64_t last_element_size = 0;
   for (size_t i = 0; i < num_items; ++i) {
+    // The GIL is held here, so Python's Ctrl-C handler runs only when asked.
+    if ((i & 0xffff) == 0xffff && PyErr_CheckSignals() != 0) throw py::error_already_set();
     py::handle item = items[i];
     const py::object type = get_attr(item, type_attr, i);
     bool is_bytes = type.ptr() == byte_io_type.ptr();
@@ -142,13 +145,16 @@ ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
 
 checkpoint::BinPlan plan_without_gil(const std::vector<uint8_t>& is_bytes,
                                      const std::vector<int64_t>& sizes, int64_t bins, bool refined) {
+  Interrupt interrupt = python_interrupt();
   py::gil_scoped_release release;
   return checkpoint::assign_bins(is_bytes, sizes, bins,
-                                 refined ? Balance::kRefined : Balance::kUpstream);
+                                 refined ? Balance::kRefined : Balance::kUpstream, &interrupt);
 }
 
 py::list split_write_items(const py::list& items, int64_t bins, const py::object& byte_io_type,
                            const py::dict& element_sizes, bool global_sizing, bool refined) {
+  // Per bin: an empty list object with its GC header (72), its slot in `out` (8), core tables (16).
+  check_output_fits("split_by_size_and_type: the list of bins", bins, 96);
   ItemArrays arrays = read_items(items, byte_io_type, element_sizes, global_sizing, refined);
   const checkpoint::BinPlan plan = plan_without_gil(arrays.is_bytes, arrays.sizes, bins, refined);
   py::list out(bins);
@@ -184,9 +190,10 @@ py::tuple assign_bins(const CArray<uint8_t>& is_bytes, const CArray<int64_t>& si
   const auto sizes_span = span_1d(sizes, "sizes");
   checkpoint::BinPlan plan;
   {
+    Interrupt interrupt = python_interrupt();
     py::gil_scoped_release release;
     plan = checkpoint::assign_bins(is_bytes_span, sizes_span, bins,
-                                   refined ? Balance::kRefined : Balance::kUpstream);
+                                   refined ? Balance::kRefined : Balance::kUpstream, &interrupt);
   }
   return py::make_tuple(to_numpy(std::move(plan.bin_idx)), to_numpy(std::move(plan.order)),
                         to_numpy(std::move(plan.bin_offsets)), to_numpy(std::move(plan.bin_bytes)));

@@ -1,9 +1,12 @@
 // Bindings for EPLB: the two stages of the hierarchical policy and upstream's two helpers.
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "bindings/common.h"
+#include "common/checked_math.h"
+#include "common/memory.h"
 #include "eplb/eplb.h"
 
 namespace trainfast::bindings {
@@ -121,6 +124,8 @@ py::tuple replicate_experts_typed(const py::array& weight_any, int64_t num_phy, 
   const auto weight = CArray<T>::ensure(weight_any);
   const int64_t rows = weight.shape(0), num_log = weight.shape(1);
   if (num_phy < num_log) throw py::value_error("num_phy must be >= the number of logical experts");
+  check_output_fits("replicate_experts: phy2log and rank of rows x num_phy slots",
+                    checked_mul(rows, num_phy).value_or(INT64_MAX), 2 * sizeof(int64_t));
   std::vector<int64_t> phy2log(rows * num_phy), rank(rows * num_phy), logcnt(rows * num_log);
   {
     py::gil_scoped_release release;

@@ -57,8 +57,9 @@ py::tuple balanced_split(const CArray<double>& layer_costs, int64_t pp, int64_t 
   const auto costs = span_1d(layer_costs, "layer_costs");
   pl::BalancedSplit split;
   {
+    Interrupt interrupt = python_interrupt();
     py::gil_scoped_release release;
-    split = pl::balanced_split(costs, pp, vpp, embedding_cost, loss_cost);
+    split = pl::balanced_split(costs, pp, vpp, embedding_cost, loss_cost, &interrupt);
   }
   return py::make_tuple(to_numpy(std::move(split.boundaries)), to_numpy(std::move(split.chunk_costs)),
                         to_numpy(std::move(split.stage_costs)), split.max_chunk_cost, split.max_stage_cost);

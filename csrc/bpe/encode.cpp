@@ -439,7 +439,8 @@ std::vector<std::vector<uint32_t>> BpeEncoder::encode_batch(std::span<const std:
     Lease lease(*this);
     for (int64_t k = begin; k < end; ++k) {
       if (interrupt != nullptr && interrupt->stop_requested()) return;
-      encode_with(texts[static_cast<size_t>(k)], results[static_cast<size_t>(k)], *lease.ws, nullptr);
+      // Polls inside long texts too (only the calling thread asks Python; workers read the flag).
+      encode_with(texts[static_cast<size_t>(k)], results[static_cast<size_t>(k)], *lease.ws, interrupt);
     }
   }, interrupt);
   return results;

@@ -247,6 +247,14 @@ BucketGroups partition_buckets(std::span<const uint8_t> is_uint8, std::span<cons
       uint8_buffer = b;
     }
   }
+  int64_t num_members = 0;
+  for (int64_t b = 0; b < num_buffers; ++b) {
+    const auto sum = checked_add(num_members, num_buckets[b]);
+    TF_CHECK_ARG(sum.has_value(), "num_buckets", "sum > 2^63-1", "must sum to a value that fits in int64");
+    num_members = *sum;
+  }
+  // Two member columns and at most one group offset per member.
+  check_output_fits("partition_bucket_indices: the (buffer, bucket) pairs", num_members, 3 * sizeof(int64_t));
   BucketGroups out;
   out.group_offsets.push_back(0);
   auto add = [&](int64_t buffer, int64_t bucket) {

@@ -8,9 +8,16 @@
 
 #include "common/check.h"
 #include "common/checked_math.h"
+#include "common/memory.h"
 
 namespace trainfast::checkpoint {
 namespace {
+
+// Ctrl-C checks in the long loops: every kPollEvery items (a check reads the clock).
+constexpr size_t kPollEvery = size_t{1} << 16;
+void poll(Interrupt* interrupt) {
+  if (interrupt != nullptr) interrupt->check();
+}
 
 // Below this many bins a linear scan for the lightest bin beats a heap.
 constexpr int64_t kLinearScanMaxBins = 32;
@@ -27,7 +34,7 @@ struct SortedItems {
 
 // Stable LSD radix sort by a 64-bit unsigned key; byte positions on which every key agrees are
 // skipped (real sizes rarely use more than 5 of the 8 bytes).
-void radix_sort_by_key(std::vector<int64_t>& idx, std::vector<uint64_t>& keys) {
+void radix_sort_by_key(std::vector<int64_t>& idx, std::vector<uint64_t>& keys, Interrupt* interrupt) {
   const size_t n = idx.size();
   if (n < 2) return;
   uint64_t all_or = 0, all_and = ~uint64_t{0};
@@ -40,6 +47,7 @@ void radix_sort_by_key(std::vector<int64_t>& idx, std::vector<uint64_t>& keys) {
   std::vector<uint64_t> key_tmp(n);
   for (int shift = 0; shift < 64; shift += 8) {
     if (((varying >> shift) & 0xff) == 0) continue;
+    poll(interrupt);
     std::array<size_t, 257> count{};
     for (uint64_t k : keys) ++count[((k >> shift) & 0xff) + 1];
     for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
@@ -56,7 +64,7 @@ void radix_sort_by_key(std::vector<int64_t>& idx, std::vector<uint64_t>& keys) {
 // Real plans repeat a few hundred shapes: when there are few distinct sizes, rank them and do one
 // stable counting-sort pass. Returns false (and leaves `out` empty) when there are too many.
 bool sort_few_distinct_sizes(const std::vector<int64_t>& idx, std::span<const int64_t> sizes,
-                             SortedItems& out) {
+                             SortedItems& out, Interrupt* interrupt) {
   constexpr size_t kMaxDistinct = 2048;
   constexpr size_t kSlots = 4 * kMaxDistinct;  // open addressing, power of two, load <= 1/4
   std::vector<int64_t> slot_size(kSlots, -1);   // sizes are >= 0, so -1 marks an empty slot
@@ -75,11 +83,13 @@ bool sort_few_distinct_sizes(const std::vector<int64_t>& idx, std::span<const in
       distinct.push_back(sizes[i]);
     }
   }
+  poll(interrupt);
   std::sort(distinct.begin(), distinct.end(), std::greater<int64_t>());
   for (size_t r = 0; r < distinct.size(); ++r) slot_rank[slot_of(distinct[r])] = static_cast<int32_t>(r);
   std::vector<int64_t> start(distinct.size() + 1, 0);
   for (int64_t i : idx) ++start[slot_rank[slot_of(sizes[i])] + 1];
   for (size_t r = 0; r < distinct.size(); ++r) start[r + 1] += start[r];
+  poll(interrupt);
   out.idx.resize(idx.size());
   out.size.resize(idx.size());
   for (int64_t i : idx) {
@@ -94,13 +104,14 @@ bool sort_few_distinct_sizes(const std::vector<int64_t>& idx, std::span<const in
 // Greedy longest-processing-time: each item (already in descending size order) goes to the bin with
 // the smallest load, ties to the lowest bin index, exactly like upstream's heap of (load, bin).
 void greedy_assign(const SortedItems& sorted, std::vector<int64_t>& bin_load,
-                   std::vector<int64_t>& bin_idx) {
+                   std::vector<int64_t>& bin_idx, Interrupt* interrupt) {
   const int64_t num_bins = static_cast<int64_t>(bin_load.size());
   const size_t num_sorted = sorted.idx.size();
   if (num_bins <= kLinearScanMaxBins) {
     std::array<int64_t, kLinearScanMaxBins> load{};
     std::copy(bin_load.begin(), bin_load.end(), load.begin());
     for (size_t k = 0; k < num_sorted; ++k) {
+      if (k % kPollEvery == 0) poll(interrupt);
       int64_t best = 0;
       for (int64_t b = 1; b < num_bins; ++b) {
         if (load[b] < load[best]) best = b;
@@ -115,6 +126,7 @@ void greedy_assign(const SortedItems& sorted, std::vector<int64_t>& bin_load,
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
   for (int64_t b = 0; b < num_bins; ++b) heap.emplace(bin_load[b], b);
   for (size_t k = 0; k < num_sorted; ++k) {
+    if (k % kPollEvery == 0) poll(interrupt);
     auto [load, bin] = heap.top();
     heap.pop();
     bin_idx[sorted.idx[k]] = bin;
@@ -135,7 +147,7 @@ struct Change {
 // Local search after the greedy pass. Per bin, items are kept sorted by (size, item index) so the best
 // move/swap toward an even split of the pair is found by binary search.
 void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
-            std::vector<int64_t>& bin_idx) {
+            std::vector<int64_t>& bin_idx, Interrupt* interrupt) {
   const int64_t num_bins = static_cast<int64_t>(bin_load.size());
   using SizedItem = std::pair<int64_t, int64_t>;  // (size, item)
   std::vector<std::vector<SizedItem>> members(num_bins);
@@ -145,6 +157,7 @@ void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
   for (auto& m : members) std::sort(m.begin(), m.end());
 
   for (int64_t step = 0; step < kMaxRefineSteps; ++step) {
+    poll(interrupt);
     const int64_t heavy = std::max_element(bin_load.begin(), bin_load.end()) - bin_load.begin();
     const auto& heavy_items = members[heavy];
     Change best{bin_load[heavy], -1, -1, -1};
@@ -205,18 +218,20 @@ void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
 
 namespace {
 
-SortedItems sort_tensor_items(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes) {
+SortedItems sort_tensor_items(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes,
+                              Interrupt* interrupt) {
   std::vector<int64_t> idx;
   idx.reserve(sizes.size());
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (!is_bytes[i]) idx.push_back(static_cast<int64_t>(i));
   }
   SortedItems sorted;
-  if (sort_few_distinct_sizes(idx, sizes, sorted)) return sorted;
+  poll(interrupt);
+  if (sort_few_distinct_sizes(idx, sizes, sorted, interrupt)) return sorted;
   // Ascending order of (max - size) is descending size; the radix sort keeps input order on ties.
   std::vector<uint64_t> keys(idx.size());
   for (size_t k = 0; k < idx.size(); ++k) keys[k] = ~static_cast<uint64_t>(sizes[idx[k]]);
-  radix_sort_by_key(idx, keys);
+  radix_sort_by_key(idx, keys, interrupt);
   sorted.size.resize(keys.size());
   for (size_t k = 0; k < keys.size(); ++k) sorted.size[k] = static_cast<int64_t>(~keys[k]);
   sorted.idx = std::move(idx);
@@ -226,19 +241,22 @@ SortedItems sort_tensor_items(std::span<const uint8_t> is_bytes, std::span<const
 }  // namespace
 
 std::vector<int64_t> tensor_order_by_size_desc(std::span<const uint8_t> is_bytes,
-                                               std::span<const int64_t> sizes) {
-  return sort_tensor_items(is_bytes, sizes).idx;
+                                               std::span<const int64_t> sizes, Interrupt* interrupt) {
+  return sort_tensor_items(is_bytes, sizes, interrupt).idx;
 }
 
 BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes,
-                    int64_t num_bins, Balance balance) {
+                    int64_t num_bins, Balance balance, Interrupt* interrupt) {
   TF_CHECK_ARG(num_bins > 0, "bins", num_bins, "must be a positive integer");
   TF_CHECK_ARG(is_bytes.size() == sizes.size(), "sizes", sizes.size(),
                "must have one entry per item, like is_bytes");
+  // bin_bytes and bin_offsets; the Python lists of split_by_size_and_type check their own cost.
+  check_output_fits("assign_bins: the per-bin tables", num_bins, 2 * sizeof(int64_t));
   const int64_t num_items = static_cast<int64_t>(sizes.size());
   const bool count_bytes = balance == Balance::kRefined;
   int64_t total = 0;
   for (int64_t i = 0; i < num_items; ++i) {
+    if (static_cast<size_t>(i) % kPollEvery == 0) poll(interrupt);
     TF_CHECK_ARG(sizes[i] >= 0, "sizes", sizes[i], "must be non-negative");
     if (!is_bytes[i] || count_bytes) {
       const auto sum = checked_add(total, sizes[i]);
@@ -265,9 +283,10 @@ BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> 
       if (count_bytes) plan.bin_bytes[plan.bin_idx[i]] += sizes[i];
     }
   }
-  const SortedItems tensors = sort_tensor_items(is_bytes, sizes);
-  greedy_assign(tensors, plan.bin_bytes, plan.bin_idx);
-  if (balance == Balance::kRefined) refine(sizes, plan.bin_bytes, plan.bin_idx);
+  const SortedItems tensors = sort_tensor_items(is_bytes, sizes, interrupt);
+  greedy_assign(tensors, plan.bin_bytes, plan.bin_idx, interrupt);
+  if (balance == Balance::kRefined) refine(sizes, plan.bin_bytes, plan.bin_idx, interrupt);
+  poll(interrupt);
 
   // Each bin: its byte items in input order, then its tensors in descending-size (assignment) order.
   plan.bin_offsets.assign(num_bins + 1, 0);

@@ -5,6 +5,8 @@
 #include <span>
 #include <vector>
 
+#include "common/parallel.h"
+
 namespace trainfast::checkpoint {
 
 enum class Balance {
@@ -21,11 +23,12 @@ struct BinPlan {
 
 // is_bytes[i] != 0 marks a BYTE_IO item; sizes[i] >= 0 is its size in bytes (ignored for byte items
 // under kUpstream). Throws std::invalid_argument on bad input; nothing is returned half-done.
+// `interrupt` (polled from the calling thread) stops long plans with Interrupted.
 BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes,
-                    int64_t num_bins, Balance balance = Balance::kUpstream);
+                    int64_t num_bins, Balance balance = Balance::kUpstream, Interrupt* interrupt = nullptr);
 
 // Indices of the tensor items (is_bytes == 0), stably sorted by size, largest first.
 std::vector<int64_t> tensor_order_by_size_desc(std::span<const uint8_t> is_bytes,
-                                               std::span<const int64_t> sizes);
+                                               std::span<const int64_t> sizes, Interrupt* interrupt = nullptr);
 
 }  // namespace trainfast::checkpoint

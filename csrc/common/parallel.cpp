@@ -12,7 +12,7 @@ namespace trainfast {
 
 void Interrupt::check() {
   if (stop_requested()) throw Interrupted();
-  if (!poll_) return;
+  if (!poll_ || std::this_thread::get_id() != owner_) return;
   const auto now = std::chrono::steady_clock::now();
   if (now - last_poll_ < interval_) return;
   last_poll_ = now;

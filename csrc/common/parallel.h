@@ -9,21 +9,22 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <thread>
 
 namespace trainfast {
 
 // Lets the thread that started a computation ask its caller whether to stop (the Python bindings
-// poll for Ctrl-C). Workers only read the flag.
+// poll for Ctrl-C). The thread that created it polls; other threads only read the flag.
 class Interrupt {
  public:
   using PollFn = std::function<bool()>;  // true: the caller asked to stop
 
   Interrupt() = default;
   explicit Interrupt(PollFn poll, std::chrono::milliseconds interval = std::chrono::milliseconds(50))
-      : poll_(std::move(poll)), interval_(interval) {}
+      : poll_(std::move(poll)), interval_(interval), owner_(std::this_thread::get_id()) {}
 
-  // Call only from the thread that started the work; throws Interrupted when asked to stop.
-  // Cheap: polls the caller at most once per interval.
+  // Throws Interrupted when asked to stop. Safe from any thread: only the creating thread polls
+  // the caller (at most once per interval), worker threads just read the flag. Cheap.
   void check();
   bool stop_requested() const { return stop_.load(std::memory_order_relaxed); }
   void request_stop() { stop_.store(true, std::memory_order_relaxed); }
@@ -32,6 +33,7 @@ class Interrupt {
   PollFn poll_;
   std::chrono::milliseconds interval_{50};
   std::chrono::steady_clock::time_point last_poll_{};
+  std::thread::id owner_{};
   std::atomic<bool> stop_{false};
 };
 

@@ -66,12 +66,13 @@ double stage_sum(const std::vector<double>& chunk_costs, int64_t pp, int64_t sta
 // are not neighbours. For each i the move with the cheapest most expensive changed stage is taken if
 // that stage is cheaper than the most expensive one it changes (so the search still ends).
 bool chain_moves(const Problem& problem, double limit, int64_t pp, std::vector<int64_t>& bounds,
-                 std::vector<double>& chunk_costs, std::vector<double>& stage_costs) {
+                 std::vector<double>& chunk_costs, std::vector<double>& stage_costs, Interrupt* interrupt) {
   const auto num_chunks = static_cast<int64_t>(chunk_costs.size());
   bool moved = false;
   std::vector<double> trial;  // new costs of chunks i-1 .. j
   std::vector<char> seen(pp);
   for (int64_t i = 1; i < num_chunks; ++i) {
+    if (interrupt != nullptr) interrupt->check();
     double best = std::numeric_limits<double>::infinity();
     int64_t best_d = 0, best_j = -1;
     std::vector<double> best_trial;
@@ -128,7 +129,10 @@ double chunk_cost(std::span<const double> layer_costs, int64_t begin, int64_t en
 }
 
 BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, int64_t vpp,
-                             double embedding_cost, double loss_cost) {
+                             double embedding_cost, double loss_cost, Interrupt* interrupt) {
+  auto poll = [interrupt] {
+    if (interrupt != nullptr) interrupt->check();
+  };
   check_pp_vpp(pp, vpp, "pp", "vpp");
   const auto n = static_cast<int64_t>(layer_costs.size());
   const int64_t num_chunks = pp * vpp;
@@ -152,6 +156,7 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
   // Binary search on the bit pattern of the limit: non-negative doubles order like their bits.
   uint64_t lo = 0, hi = std::bit_cast<uint64_t>(std::numeric_limits<double>::infinity());
   while (lo < hi) {
+    poll();
     const uint64_t mid = lo + (hi - lo) / 2;
     if (problem.min_chunks(std::bit_cast<double>(mid), num_chunks) <= num_chunks) hi = mid;
     else lo = mid + 1;
@@ -162,6 +167,7 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
   std::vector<int64_t> earliest(num_chunks + 1);
   earliest[num_chunks] = n;
   for (int64_t c = num_chunks - 1; c >= 1; --c) {
+    poll();
     const int64_t end = earliest[c + 1];
     // chunks before c need a layer each; cost(i, end) shrinks as i grows: find the smallest i that fits
     int64_t a = c, b = end - 1;
@@ -185,6 +191,7 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
   bounds[num_chunks] = n;
   std::vector<double> stage_so_far(pp, 0.0);
   for (int64_t c = 1; c < num_chunks; ++c) {
+    poll();
     const int64_t stage = (c - 1) % pp, v = (c - 1) / pp, begin = bounds[c - 1];
     const double target = static_cast<double>(v + 1) * ideal / static_cast<double>(vpp) - stage_so_far[stage];
     const int64_t low = std::max(earliest[c], begin + 1);
@@ -225,6 +232,7 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
   for (int64_t pass = 0; pp > 1 && pass < kMaxPasses; ++pass) {
     bool moved = false;
     for (int64_t k = 1; k < num_chunks; ++k) {
+      poll();
       const bool has_next = k + 1 < num_chunks;
       const int64_t b0 = bounds[k - 1], b1 = bounds[k], b2 = bounds[k + 1];
       const int64_t b3 = has_next ? bounds[k + 2] : n;
@@ -273,7 +281,7 @@ BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, in
       for (int i = 0; i < num_around; ++i) stage_costs[stages[i]] = stage_sum(chunk_costs, pp, stages[i], -1, 0.0);
       moved = true;
     }
-    if (!moved) moved = chain_moves(problem, limit, pp, bounds, chunk_costs, stage_costs);
+    if (!moved) moved = chain_moves(problem, limit, pp, bounds, chunk_costs, stage_costs, interrupt);
     if (!moved) break;
   }
 

@@ -6,6 +6,8 @@
 #include <span>
 #include <vector>
 
+#include "common/parallel.h"
+
 namespace trainfast::pipeline {
 
 struct BalancedSplit {
@@ -19,9 +21,10 @@ struct BalancedSplit {
 // A chunk's cost is its layers' costs added left to right in double precision, starting with
 // embedding_cost on the chunk holding layer 0 and ending with loss_cost on the one holding the last
 // layer. max_chunk_cost is the exact minimum over all splits (every chunk >= 1 layer); among the
-// splits reaching it, a deterministic local search lowers the maximum stage cost.
+// splits reaching it, a deterministic local search lowers the maximum stage cost. `interrupt`
+// (polled from the calling thread) stops long searches with Interrupted.
 BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, int64_t vpp,
-                             double embedding_cost, double loss_cost);
+                             double embedding_cost, double loss_cost, Interrupt* interrupt = nullptr);
 
 // The chunk cost defined above for layers [begin, end) of n.
 double chunk_cost(std::span<const double> layer_costs, int64_t begin, int64_t end, double embedding_cost,

@@ -150,6 +150,10 @@ def assign_bins(is_bytes: Any, sizes: Any, bins: int, *, balance: Balance = "ups
 
 def balance_ratio(bin_bytes: Any) -> float:
     """max-bin / mean-bin bytes (1.0 is perfect balance; 0 bytes counts as balanced)."""
-    loads = [int(x) for x in bin_bytes]
+    loads = as_array(bin_bytes, "bin_bytes", "int64", kind="int").tolist()
+    if not loads:
+        raise ValueError("bin_bytes must not be empty")
+    if min(loads) < 0:
+        raise ValueError(f"bin_bytes must be non-negative (got {min(loads)})")
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean > 0 else 1.0

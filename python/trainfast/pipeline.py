@@ -153,6 +153,8 @@ class PipelineLayout:
     @classmethod
     def from_megatron(cls, layout: Any) -> PipelineLayout:
         """From a ``megatron.core...PipelineParallelLayerLayout`` (its 2-D ``layout[pp][vpp]``)."""
+        if not all(hasattr(layout, f) for f in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "layout")):
+            raise TypeError(f"layout must be a megatron PipelineParallelLayerLayout (got {type(layout).__name__})")
         pp = check_int(layout.pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
         vpp = check_int(layout.virtual_pipeline_model_parallel_size, "virtual_pipeline_model_parallel_size", min_value=1)
         rows = layout.layout
@@ -587,6 +589,17 @@ def _check_cost(value: Any, name: str) -> float:
     return value
 
 
+def _check_layer_costs(costs: np.ndarray, embedding_cost: float, loss_cost: float) -> None:
+    """Each cost finite and >= 0, and their total finite (else every chunk cost could be inf)."""
+    bad = np.flatnonzero(~(np.isfinite(costs) & (costs >= 0)))
+    if bad.size:
+        raise ValueError(f"layer_costs[{int(bad[0])}] must be a finite non-negative number (got {costs[bad[0]]})")
+    with np.errstate(over="ignore"):
+        total = float(np.sum(costs)) + embedding_cost + loss_cost
+    if not math.isfinite(total):
+        raise ValueError("layer_costs (with embedding_cost and loss_cost) must sum to a finite float64 (got inf)")
+
+
 def balanced_layout(
     layer_costs: Any, pp: int, vpp: int = 1, *, embedding_cost: float = 0.0, loss_cost: float = 0.0
 ) -> BalancedLayout:
@@ -611,6 +624,7 @@ def balanced_layout(
     costs = as_array(layer_costs, "layer_costs", np.float64, kind="float")
     embedding_cost = _check_cost(embedding_cost, "embedding_cost")
     loss_cost = _check_cost(loss_cost, "loss_cost")
+    _check_layer_costs(costs, embedding_cost, loss_cost)
     bounds, chunk_cost_arr, stage_cost_arr, max_chunk, max_stage = _core.pipeline_balanced_split(
         costs, pp, vpp, embedding_cost, loss_cost
     )
@@ -631,11 +645,13 @@ def chunk_costs(plan: Any, layer_costs: Any, pp: int, vpp: int | None = None, *,
     pp = check_int(pp, "pp", min_value=1)
     vpp = check_int(1 if vpp is None else vpp, "vpp", min_value=1)
     counts = _plan_counts(plan, pp, vpp)
-    costs = as_array(layer_costs, "layer_costs", np.float64, kind="float").tolist()
-    if int(counts.sum()) != len(costs):
-        raise ValueError(f"the plan has {int(counts.sum())} layers but layer_costs has {len(costs)}")
+    cost_arr = as_array(layer_costs, "layer_costs", np.float64, kind="float")
+    if int(counts.sum()) != cost_arr.shape[0]:
+        raise ValueError(f"the plan has {int(counts.sum())} layers but layer_costs has {cost_arr.shape[0]}")
     embedding_cost = _check_cost(embedding_cost, "embedding_cost")
     loss_cost = _check_cost(loss_cost, "loss_cost")
+    _check_layer_costs(cost_arr, embedding_cost, loss_cost)
+    costs = cost_arr.tolist()
     per_chunk, start = [], 0
     for chunk, count in enumerate(counts.tolist()):
         total = embedding_cost if chunk == 0 else 0.0

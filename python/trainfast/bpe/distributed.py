@@ -29,7 +29,8 @@ _DEFAULT_MESSAGE_BYTES = 64 << 20
 
 def shard_files(paths: Sequence[PathLike], world_size: int) -> list[list[str]]:
     """Files per rank: largest first to the rank with the fewest bytes so far (ties: lowest rank)."""
-    sizes = [(os.path.getsize(os.fspath(p)), idx, os.fspath(p)) for idx, p in enumerate(paths)]
+    world_size = check_int(world_size, "world_size", min_value=1)
+    sizes = [(os.path.getsize(p), idx, p) for idx, p in enumerate(_check_paths(paths))]
     shards: list[list[str]] = [[] for _ in range(world_size)]
     loads = [0] * world_size
     for size, _, path in sorted(sizes, key=lambda item: (-item[0], item[1])):

@@ -54,6 +54,14 @@ def _pattern_regex(pattern: str) -> str | None:
     if name.isidentifier():
         raise ValueError(f"pattern must be one of {', '.join(map(repr, PATTERNS))} or a regular expression "
                          f"(got unknown pattern name {pattern!r})")
+    try:  # a broken regex must not reach a written tokenizer file
+        import regex
+    except ImportError:  # pragma: no cover - regex is a test dependency
+        return pattern
+    try:
+        regex.compile(pattern)
+    except regex.error as error:
+        raise ValueError(f"pattern is not a valid regular expression ({error}): {pattern!r}") from None
     return pattern
 
 

@@ -62,6 +62,8 @@ def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: st
     for token_id, token in vocab.items():
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not isinstance(token, bytes):
             raise TypeError(f"vocab must map int to bytes (got {token_id!r}: {token!r})")
+        if not 0 <= token_id < 2**31:  # what load_vocab and Tokenizer accept
+            raise ValueError(f"vocab ids must be in [0, 2^31) (got {token_id})")
         if token in seen:
             raise ValueError(f"vocab maps ids {seen[token]} and {token_id} to the same token {token!r}")
         seen[token] = token_id
@@ -83,7 +85,10 @@ def load(out_dir: str | os.PathLike[str]) -> tuple[dict[int, bytes], list[tuple[
     """Reads what :func:`save` wrote (or GPT-2 / CS336 fixture files): ``(vocab, merges)``."""
     out = Path(out_dir)
     with open(out / VOCAB_FILE, encoding="utf-8") as f:
-        vocab_json = json.load(f)
+        try:
+            vocab_json = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{out / VOCAB_FILE}: malformed JSON ({error})") from None
     if not isinstance(vocab_json, dict):
         raise ValueError(f"{out / VOCAB_FILE} must hold a JSON object")
     vocab = {}

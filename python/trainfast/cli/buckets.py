@@ -102,7 +102,10 @@ def deepseek_v3_spec(num_layers: int = 61, num_dense_layers: int = 3, num_expert
 
 def load_spec(path: str | Path) -> ModelSpec:
     """Reads a JSON model spec (see the module docstring)."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: malformed JSON ({error})") from None
     items = data.get("params") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise ValueError(f"{path}: expected a list of params or {{'params': [...]}}")

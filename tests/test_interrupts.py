@@ -1,0 +1,128 @@
+"""Ctrl-C (SIGINT) stops every long plan within 1 s with KeyboardInterrupt and leaves no thread behind
+(issue: hardening). Each case is sized to take several seconds uninterrupted on a 2-core machine and
+is interrupted ~0.2 s in; a call that finishes before the first signal fails the test (no
+KeyboardInterrupt), so the sizes must stay large.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from trainfast import bpe, buckets, checkpoint, eplb, pipeline
+
+# The issue's bound; sanitizer builds run everything several times slower.
+STOP_WITHIN_S = 1.0 * (3 if "libasan" in os.environ.get("LD_PRELOAD", "") else 1)
+SIGNAL_AFTER_S = 0.2
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _thread_counts() -> tuple[int, int]:
+    return threading.active_count(), _os_threads()
+
+
+def _assert_stops_cleanly(sigint_repeatedly, run: Callable[[], object]) -> None:
+    before = _thread_counts()
+    with pytest.raises(KeyboardInterrupt), sigint_repeatedly(SIGNAL_AFTER_S) as signals:
+        run()
+    stopped_at = time.monotonic()
+    assert signals.first_signal_at is not None
+    assert stopped_at - signals.first_signal_at < STOP_WITHIN_S, (
+        f"stopped {stopped_at - signals.first_signal_at:.2f} s after Ctrl-C")
+    # Workers are joined before the native call returns; allow a moment for the OS to reap them.
+    deadline = time.monotonic() + 2.0
+    while _thread_counts() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _thread_counts() == before, "(python threads, OS threads) before vs after"
+
+
+def _random_text(num_bytes: int, seed: int = 0) -> str:
+    """Random letters and spaces: mostly distinct words, so counting and merging take long."""
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz      \n", np.uint8)
+    rng = np.random.default_rng(seed)
+    return letters[rng.integers(0, len(letters), num_bytes)].tobytes().decode()
+
+
+def _word_counts(num_words: int = 200_000) -> dict[bytes, int]:
+    import random
+
+    rng = random.Random(0)
+    letters = bytes(97 + i % 26 for i in range(256))
+    blob = rng.randbytes(num_words * 16).translate(letters)
+    return {blob[i:i + 4 + i % 17]: 1 + i % 997 for i in range(0, len(blob), 16)}
+
+
+@pytest.fixture(scope="module")
+def big_layout():
+    # A 16384-way data-parallel plan of 40,000 single-parameter buckets: every rank scans every bucket.
+    return buckets.plan_layout([1] * 40_000, bucket_size=1, data_parallel_world_size=16_384)
+
+
+def test_shard_ranges(sigint_repeatedly, big_layout):
+    buckets.shard_ranges(buckets.plan_layout([1] * 8, bucket_size=1, data_parallel_world_size=4), 4, num_threads=2)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: buckets.shard_ranges(big_layout, 16_384, num_threads=2))
+
+
+def test_rebalance_experts(sigint_repeatedly):
+    weight = torch.rand(60_000, 256, generator=torch.Generator().manual_seed(0))
+    eplb.rebalance_experts(weight[:2000], 288, 8, 4, 32, num_threads=2)  # starts torch's own thread pool
+    _assert_stops_cleanly(sigint_repeatedly, lambda: eplb.rebalance_experts(weight, 288, 8, 4, 32, num_threads=2))
+
+
+@pytest.mark.parametrize("balance", ["upstream", "refined"])
+def test_assign_bins(sigint_repeatedly, balance):
+    rng = np.random.default_rng(0)
+    num_items = 5_000_000 if balance == "upstream" else 1_000_000  # refined: minutes uninterrupted
+    sizes = rng.integers(1, 10**9, num_items)
+    is_bytes = rng.random(num_items) < 0.01
+    checkpoint.assign_bins(is_bytes[:10], sizes[:10], 3, balance=balance)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: checkpoint.assign_bins(is_bytes, sizes, 4096, balance=balance))
+
+
+def test_balanced_layout(sigint_repeatedly):
+    layer_costs = np.random.default_rng(0).random(1_000_000)
+    pipeline.balanced_layout(layer_costs[:16], 4, 2)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: pipeline.balanced_layout(layer_costs, 64, 4))
+
+
+def test_train_from_counts(sigint_repeatedly):
+    word_counts = _word_counts()
+    bpe.train_from_counts({b"ab": 2, b"abc": 1}, 260, show_progress=False)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: bpe.train_from_counts(word_counts, 200_000, show_progress=False))
+
+
+@pytest.mark.parametrize("source", ["file", "documents"])
+def test_count_pretokens(sigint_repeatedly, tmp_path, source):
+    text = _random_text(32 << 20)
+    path = tmp_path / "corpus.txt"
+    if source == "file":
+        path.write_text(text)
+        inputs = lambda: str(path)  # noqa: E731
+    else:
+        inputs = lambda: iter([text[i:i + (1 << 20)] for i in range(0, len(text), 1 << 20)])  # noqa: E731
+    bpe.count_pretokens(iter(["warm up"]), num_threads=2, show_progress=False)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: bpe.count_pretokens(inputs(), num_threads=2, show_progress=False))
+
+
+def test_train_bpe(sigint_repeatedly):
+    text = _random_text(24 << 20, seed=1)
+    docs = [text[i:i + (1 << 20)] for i in range(0, len(text), 1 << 20)]
+    bpe.train_bpe(iter(["warm up"]), 260, show_progress=False)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: bpe.train_bpe(iter(docs), 50_000, num_threads=2, show_progress=False))
+
+
+def test_encode_batch(sigint_repeatedly):
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"ab", 257: b"abc"}
+    tokenizer = bpe.Tokenizer(vocab, [(b"a", b"b"), (b"ab", b"c")])
+    text = _random_text(1 << 20, seed=2)
+    tokenizer.encode_batch([text[:100]], num_threads=2)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: tokenizer.encode_batch([text] * 200, num_threads=2))
