@@ -50,7 +50,8 @@ dev: $(VENV)/.deps
 	  -Dpybind11_DIR=$$($(VPY) -c 'import pybind11; print(pybind11.get_cmake_dir())') \
 	  -DPython_EXECUTABLE=$$(realpath $(VPY)) >/dev/null
 	cmake --build build/dev
-	cp build/dev/_core*.so python/trainfast/
+	# New inode via rename: overwriting the mapped .so in place crashes a Python that has it loaded.
+	for so in build/dev/_core*.so; do cp "$$so" "python/trainfast/.$${so##*/}.tmp" && mv -f "python/trainfast/.$${so##*/}.tmp" "python/trainfast/$${so##*/}"; done
 
 # The whole suite against an extension built with -fsanitize=address,undefined (no recovery).
 SAN_DIR := build/sanitize
