@@ -238,6 +238,8 @@ CASES: list[Case] = [
     Case("bpe.Tokenizer.from_files", "missing/unreadable file", lambda: bpe.Tokenizer.from_files("/nonexistent/v.json", "/nonexistent/m.txt"), OSError, "v.json"),
     Case("bpe.Tokenizer.from_files", "malformed string", lambda: bpe.Tokenizer.from_files(_file("v.json", b'{"a": 0,'), _file("m.txt", b"")), ValueError, r"v\.json:1: malformed JSON"),
     Case("bpe.WordCounts.from_bytes", "malformed string", lambda: bpe.WordCounts.from_bytes(b"not a counts file"), ValueError, "."),
+    Case("bpe.WordCounts.from_bytes", "wrong type", lambda: bpe.WordCounts.from_bytes("abc"), TypeError, "data"),
+    Case("bpe.WordCounts.from_bytes", "wrong type", lambda: bpe.WordCounts.from_bytes(None), TypeError, "data"),
     Case("bpe.load", "missing/unreadable file", lambda: bpe.load("/nonexistent/dir"), OSError, "nonexistent"),
     # --- CLI --------------------------------------------------------------------------------------------
     Case("trainfast checkpoint (CLI)", "zero", lambda: _cli("checkpoint", "--bins", "0"), ValueError, "bins"),
