@@ -122,6 +122,8 @@ _DDP = SimpleNamespace(pad_buckets_for_high_nccl_busbw=False, grad_reduce_in_fp3
 _W = torch.ones(2, 12)
 _NAN_ROW = torch.tensor([[1.0, float("nan")] * 6] * 2)
 _INF_ROW = torch.tensor([[1.0, float("inf")] * 6] * 2)
+_P2L = torch.arange(12).repeat(2, 1)  # a valid [2, 12] placement of _W, one replica each
+_CNT = torch.ones(2, 12, dtype=torch.long)
 
 
 def _config(**fields) -> SimpleNamespace:
@@ -364,6 +366,30 @@ CASES += [
     Case("eplb.replicate_experts", "wrong ndim/shape", lambda: eplb.replicate_experts(torch.ones(1, 2, 4), 4), AssertionError, "weight"),
     Case("eplb.replicate_experts", "wrong type", lambda: eplb.replicate_experts(torch.ones(2, 4), 4.5), TypeError, "num_phy"),
     Case("eplb.replicate_experts", "output too large for memory", lambda: eplb.replicate_experts(torch.ones(100_000, 8), 2**30), ValueError, r"would need .* GiB"),
+    Case("eplb.gpu_loads", "wrong type", lambda: eplb.gpu_loads(_W, "p2l", _CNT, 2), TypeError, "phy2log"),
+    Case("eplb.gpu_loads", "wrong type", lambda: eplb.gpu_loads(_W, _P2L, _CNT, 2.0), TypeError, "num_gpus"),
+    Case("eplb.gpu_loads", "wrong dtype", lambda: eplb.gpu_loads(_W, _P2L.float(), _CNT, 2), TypeError, "phy2log"),
+    Case("eplb.gpu_loads", "wrong dtype", lambda: eplb.gpu_loads(_W, _P2L, _CNT.float(), 2), TypeError, "logcnt"),
+    Case("eplb.gpu_loads", "wrong ndim/shape", lambda: eplb.gpu_loads(_W, _P2L[0], _CNT, 2), ValueError, "phy2log"),
+    Case("eplb.gpu_loads", "wrong ndim/shape", lambda: eplb.gpu_loads(_W, _P2L[:1], _CNT, 2), ValueError, "phy2log"),
+    Case("eplb.gpu_loads", "wrong ndim/shape", lambda: eplb.gpu_loads(_W, _P2L, _CNT[:, :5], 2), ValueError, "logcnt"),
+    Case("eplb.gpu_loads", "wrong ndim/shape", lambda: eplb.gpu_loads(torch.ones(12), _P2L, _CNT, 2), AssertionError, "weight"),
+    Case("eplb.gpu_loads", "empty", lambda: eplb.gpu_loads(_W, torch.zeros(2, 0, dtype=torch.long), _CNT, 2), ValueError, "phy2log"),
+    Case("eplb.gpu_loads", "zero", lambda: eplb.gpu_loads(_W, _P2L, _CNT, 0), AssertionError, "num_gpus"),
+    Case("eplb.gpu_loads", "zero", lambda: eplb.gpu_loads(_W, _P2L, _CNT * 0, 2), ValueError, r"logcnt\[0, 0\]"),
+    Case("eplb.gpu_loads", "negative", lambda: eplb.gpu_loads(_W, -_P2L - 1, _CNT, 2), ValueError, r"phy2log\[0, 0\]"),
+    Case("eplb.gpu_loads", "wrong value", lambda: eplb.gpu_loads(_W, _P2L + 12, _CNT, 2), ValueError, r"phy2log\[0, 0\]"),
+    Case("eplb.gpu_loads", "indivisible sizes", lambda: eplb.gpu_loads(_W, _P2L, _CNT, 5), ValueError, "num_gpus"),
+    Case("eplb.gpu_loads", "NaN/inf", lambda: eplb.gpu_loads(_NAN_ROW, _P2L, _CNT, 2), ValueError, r"weight\[0, 1\]"),
+    Case("eplb.balancedness", "wrong type", lambda: eplb.balancedness(_W, _P2L, "cnt", 2), TypeError, "logcnt"),
+    Case("eplb.balancedness", "wrong ndim/shape", lambda: eplb.balancedness(_W, _P2L[:, None], _CNT, 2), ValueError, "phy2log"),
+    Case("eplb.balancedness", "negative", lambda: eplb.balancedness(_W, _P2L, _CNT, -2), AssertionError, "num_gpus"),
+    Case("eplb.balancedness", "wrong value", lambda: eplb.balancedness(_W, _P2L, -_CNT, 2), ValueError, "logcnt"),
+    Case("eplb.count_moved", "wrong type", lambda: eplb.count_moved(5, _P2L), TypeError, "previous_phy2log"),
+    Case("eplb.count_moved", "wrong dtype", lambda: eplb.count_moved(_P2L, _P2L.double()), TypeError, "phy2log"),
+    Case("eplb.count_moved", "wrong ndim/shape", lambda: eplb.count_moved(_P2L, _P2L[:, :4]), ValueError, "previous_phy2log"),
+    Case("eplb.count_moved", "wrong ndim/shape", lambda: eplb.count_moved(_P2L[0], _P2L[0]), ValueError, "phy2log"),
+    Case("eplb.count_moved", "malformed object", lambda: eplb.count_moved([[1, 2], [3]], _P2L), ValueError, "previous_phy2log"),
     # --- bpe (more) -----------------------------------------------------------------------------------
     Case("bpe.save", "wrong type", lambda: bpe.save([b"a"], [], _dir() / "tok"), TypeError, "vocab"),
     Case("bpe.save", "wrong dtype", lambda: bpe.save({0: "a"}, [], _dir() / "tok"), TypeError, "vocab"),
@@ -502,6 +528,19 @@ ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
     ("pipeline.balanced_layout", "requires_grad tensor",
      lambda: pipeline.balanced_layout(torch.ones(8, requires_grad=True), 2, 2)[1],
      lambda: pipeline.balanced_layout([1.0] * 8, 2, 2)[1]),
+]
+ACCEPTED += [
+    ("eplb.gpu_loads", "non-contiguous/strided tensor",
+     lambda: eplb.gpu_loads(torch.arange(48.0).reshape(4, 12)[::2], torch.arange(24).reshape(2, 12).flip(1) % 12, _CNT, 2).tolist(),
+     lambda: eplb.gpu_loads(torch.arange(48.0).reshape(4, 12)[::2].contiguous(), (torch.arange(24).reshape(2, 12).flip(1) % 12).contiguous(), _CNT, 2).tolist()),
+    ("eplb.gpu_loads", "requires_grad tensor, NumPy int32 tables",
+     lambda: eplb.gpu_loads(torch.ones(2, 12, requires_grad=True), _P2L.numpy().astype(np.int32), _CNT.tolist(), 3).tolist(),
+     lambda: eplb.gpu_loads(torch.ones(2, 12), _P2L, _CNT, 3).tolist()),
+    ("eplb.count_moved", "non-contiguous/strided tensor",
+     lambda: eplb.count_moved(_P2L.t().contiguous().t(), _P2L.flip(1)), lambda: eplb.count_moved(_P2L, _P2L.flip(1).contiguous())),
+    ("bpe.WordCounts.from_bytes", "non-contiguous/strided buffer",
+     lambda: bpe.WordCounts.from_bytes(memoryview(bytes(b for x in bpe.WordCounts({b"hi": 2}).to_bytes() for b in (x, 0)))[::2]).to_bytes(),
+     lambda: bpe.WordCounts({b"hi": 2}).to_bytes()),
 ]
 ACCEPTED += [
     ("buckets.compute_full_param_layout", "empty",
