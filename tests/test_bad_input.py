@@ -493,6 +493,9 @@ CASES += [
     Case("trainfast pretokenize (CLI)", "missing/unreadable file", lambda: _cli("pretokenize", "/nonexistent/c.txt"), ValueError, "c.txt"),
     Case("trainfast eplb (CLI)", "zero", lambda: _cli("eplb", "--gpus", "0"), ValueError, "gpus"),
     Case("trainfast eplb (CLI)", "indivisible sizes", lambda: _cli("eplb", "--replicas", "300", "--gpus", "32"), ValueError, "replicas"),
+    Case("trainfast eplb (CLI)", "malformed string", lambda: _cli("eplb", _file("bad_loads.csv", b"1,2\n3,x\n")), ValueError, "bad_loads.csv"),
+    Case("trainfast eplb (CLI)", "malformed object", lambda: _cli("eplb", _file("bad_loads.npy", b"not an npy file")), ValueError, "bad_loads.npy"),
+    Case("trainfast eplb (CLI)", "malformed object", lambda: _cli("eplb", _file("bad_loads.pt", b"not a torch file")), ValueError, "bad_loads.pt"),
 ]
 
 CASES += [
@@ -636,7 +639,11 @@ def test_failed_calls_write_nothing(tmp_path):
         _cli("bpe", "count", str(corpus), "--out", str(tmp_path / "c.tfwc"), "--no-progress")
     with pytest.raises(ValueError):
         _cli("eplb", "--gpus", "0", "--save", str(tmp_path / "plan.pt"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+    loads = tmp_path / "loads.csv"
+    loads.write_bytes(b"1,2\n3,x\n")
+    with pytest.raises(ValueError, match="loads.csv"):
+        _cli("eplb", str(loads), "--save", str(tmp_path / "plan.pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "loads.csv"]
 
 
 def test_failed_calls_leave_inputs_unchanged():
