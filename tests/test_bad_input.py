@@ -397,6 +397,9 @@ CASES += [
     Case("bpe.save", "int64 overflow", lambda: bpe.save({2**70: b"a"}, [], _dir() / "tok"), ValueError, "vocab ids"),
     Case("bpe.save", "malformed object", lambda: bpe.save(_TINY_VOCAB, [(b"a",)], _dir() / "tok"), TypeError, r"merges\[0\]"),
     Case("bpe.save", "wrong dtype", lambda: bpe.save(_TINY_VOCAB, [("a", "b")], _dir() / "tok"), TypeError, r"merges\[0\]"),
+    Case("bpe.save", "wrong value", lambda: bpe.save(_TINY_VOCAB, [(b"ab", b"c")], _dir() / "tok"), ValueError, r"merges\[0\].*merged token b'abc' is not in vocab"),
+    Case("bpe.save", "wrong value", lambda: bpe.save({0: b"a", 1: b"ab"}, [(b"a", b"b")], _dir() / "tok"), ValueError, r"merges\[0\].*right token b'b' is not in vocab"),
+    Case("bpe.save", "wrong type", lambda: bpe.save(_TINY_VOCAB, 5, _dir() / "tok"), TypeError, "merges"),
     Case("bpe.save", "missing/unreadable file", lambda: bpe.save(_TINY_VOCAB, [], _file("not-a-dir", b"x")), OSError, "not-a-dir"),
     Case("bpe.load", "malformed string", lambda: bpe.load(Path(_file("vocab.json", b"")).parent), ValueError, r"vocab\.json: malformed JSON"),
     Case("bpe.load", "invalid UTF-8", lambda: bpe.load(Path(_file("vocab.json", b'{"\xff": 0}')).parent), ValueError, r"vocab\.json"),
@@ -629,6 +632,8 @@ def test_failed_calls_write_nothing(tmp_path):
         bpe.save(_TINY_VOCAB, [(b"a",)], out)
     with pytest.raises(ValueError):
         bpe.save({-1: b"a"}, [], out)
+    with pytest.raises(ValueError, match="not in vocab"):
+        bpe.save(_TINY_VOCAB, [(b"a", b"b"), (b"ab", b"c")], out)  # the second merge's token is missing
     with pytest.raises(ValueError):
         bpe_export.to_hf_tokenizer_json(_TINY_VOCAB, [], None, tmp_path / "t.json", pattern="(")
     corpus = tmp_path / "c.txt"
