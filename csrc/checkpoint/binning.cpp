@@ -196,6 +196,7 @@ void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
       if (gap <= 1) break;  // ascending loads: no later bin can take anything either
       // No change with a later (heavier) bin can beat a perfect split with this one.
       if (heavy_load - gap / 2 > best.new_pair_max) break;
+      if (budget <= 0) break;  // out of work: apply the best change found so far, then stop
       const int64_t half = gap / 2;
       budget -= search_cost(heavy_items.size());
       // Best single move: the item whose size is closest to gap/2 with 0 < size < gap.
@@ -211,6 +212,7 @@ void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
       const int64_t per_search = search_cost(other_items.size());
       for (size_t k = 0; k < heavy_items.size(); ++k) {
         if (k > 0 && heavy_items[k].first == heavy_items[k - 1].first) continue;
+        if (budget <= 0) break;
         budget -= per_search;
         const int64_t a = heavy_items[k].first;
         auto jt = std::lower_bound(other_items.begin(), other_items.end(), SizedItem{a - half, -1});
