@@ -45,12 +45,14 @@ bench: install $(MEGATRON_NEWEST)/.stamp
 megatron-newest: $(MEGATRON_NEWEST)/.stamp
 
 # Fast inner loop for developers: build the extension in place, then `PYTHONPATH=python pytest`.
+# Installs the .so under a temp name, then renames it (a new inode): overwriting a loaded .so in
+# place crashes the Python that has it mapped.
 dev: $(VENV)/.deps
 	cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -Dpybind11_DIR=$$($(VPY) -c 'import pybind11; print(pybind11.get_cmake_dir())') \
 	  -DPython_EXECUTABLE=$$(realpath $(VPY)) >/dev/null
 	cmake --build build/dev
-	cp build/dev/_core*.so python/trainfast/
+	for so in build/dev/_core*.so; do cp "$$so" "python/trainfast/.$${so##*/}.tmp" && mv -f "python/trainfast/.$${so##*/}.tmp" "python/trainfast/$${so##*/}"; done
 
 # The whole suite against an extension built with -fsanitize=address,undefined (no recovery).
 SAN_DIR := build/sanitize

@@ -122,6 +122,8 @@ _DDP = SimpleNamespace(pad_buckets_for_high_nccl_busbw=False, grad_reduce_in_fp3
 _W = torch.ones(2, 12)
 _NAN_ROW = torch.tensor([[1.0, float("nan")] * 6] * 2)
 _INF_ROW = torch.tensor([[1.0, float("inf")] * 6] * 2)
+_P2L = torch.arange(12).repeat(2, 1)  # a valid [2, 12] placement of _W, one replica each
+_CNT = torch.ones(2, 12, dtype=torch.long)
 
 
 def _config(**fields) -> SimpleNamespace:
@@ -238,6 +240,8 @@ CASES: list[Case] = [
     Case("bpe.Tokenizer.from_files", "missing/unreadable file", lambda: bpe.Tokenizer.from_files("/nonexistent/v.json", "/nonexistent/m.txt"), OSError, "v.json"),
     Case("bpe.Tokenizer.from_files", "malformed string", lambda: bpe.Tokenizer.from_files(_file("v.json", b'{"a": 0,'), _file("m.txt", b"")), ValueError, r"v\.json:1: malformed JSON"),
     Case("bpe.WordCounts.from_bytes", "malformed string", lambda: bpe.WordCounts.from_bytes(b"not a counts file"), ValueError, "."),
+    Case("bpe.WordCounts.from_bytes", "wrong type", lambda: bpe.WordCounts.from_bytes("abc"), TypeError, "data"),
+    Case("bpe.WordCounts.from_bytes", "wrong type", lambda: bpe.WordCounts.from_bytes(None), TypeError, "data"),
     Case("bpe.load", "missing/unreadable file", lambda: bpe.load("/nonexistent/dir"), OSError, "nonexistent"),
     # --- CLI --------------------------------------------------------------------------------------------
     Case("trainfast checkpoint (CLI)", "zero", lambda: _cli("checkpoint", "--bins", "0"), ValueError, "bins"),
@@ -362,6 +366,30 @@ CASES += [
     Case("eplb.replicate_experts", "wrong ndim/shape", lambda: eplb.replicate_experts(torch.ones(1, 2, 4), 4), AssertionError, "weight"),
     Case("eplb.replicate_experts", "wrong type", lambda: eplb.replicate_experts(torch.ones(2, 4), 4.5), TypeError, "num_phy"),
     Case("eplb.replicate_experts", "output too large for memory", lambda: eplb.replicate_experts(torch.ones(100_000, 8), 2**30), ValueError, r"would need .* GiB"),
+    Case("eplb.gpu_loads", "wrong type", lambda: eplb.gpu_loads(_W, "p2l", _CNT, 2), TypeError, "phy2log"),
+    Case("eplb.gpu_loads", "wrong type", lambda: eplb.gpu_loads(_W, _P2L, _CNT, 2.0), TypeError, "num_gpus"),
+    Case("eplb.gpu_loads", "wrong dtype", lambda: eplb.gpu_loads(_W, _P2L.float(), _CNT, 2), TypeError, "phy2log"),
+    Case("eplb.gpu_loads", "wrong dtype", lambda: eplb.gpu_loads(_W, _P2L, _CNT.float(), 2), TypeError, "logcnt"),
+    Case("eplb.gpu_loads", "wrong ndim/shape", lambda: eplb.gpu_loads(_W, _P2L[0], _CNT, 2), ValueError, "phy2log"),
+    Case("eplb.gpu_loads", "wrong ndim/shape", lambda: eplb.gpu_loads(_W, _P2L[:1], _CNT, 2), ValueError, "phy2log"),
+    Case("eplb.gpu_loads", "wrong ndim/shape", lambda: eplb.gpu_loads(_W, _P2L, _CNT[:, :5], 2), ValueError, "logcnt"),
+    Case("eplb.gpu_loads", "wrong ndim/shape", lambda: eplb.gpu_loads(torch.ones(12), _P2L, _CNT, 2), AssertionError, "weight"),
+    Case("eplb.gpu_loads", "empty", lambda: eplb.gpu_loads(_W, torch.zeros(2, 0, dtype=torch.long), _CNT, 2), ValueError, "phy2log"),
+    Case("eplb.gpu_loads", "zero", lambda: eplb.gpu_loads(_W, _P2L, _CNT, 0), AssertionError, "num_gpus"),
+    Case("eplb.gpu_loads", "zero", lambda: eplb.gpu_loads(_W, _P2L, _CNT * 0, 2), ValueError, r"logcnt\[0, 0\]"),
+    Case("eplb.gpu_loads", "negative", lambda: eplb.gpu_loads(_W, -_P2L - 1, _CNT, 2), ValueError, r"phy2log\[0, 0\]"),
+    Case("eplb.gpu_loads", "wrong value", lambda: eplb.gpu_loads(_W, _P2L + 12, _CNT, 2), ValueError, r"phy2log\[0, 0\]"),
+    Case("eplb.gpu_loads", "indivisible sizes", lambda: eplb.gpu_loads(_W, _P2L, _CNT, 5), ValueError, "num_gpus"),
+    Case("eplb.gpu_loads", "NaN/inf", lambda: eplb.gpu_loads(_NAN_ROW, _P2L, _CNT, 2), ValueError, r"weight\[0, 1\]"),
+    Case("eplb.balancedness", "wrong type", lambda: eplb.balancedness(_W, _P2L, "cnt", 2), TypeError, "logcnt"),
+    Case("eplb.balancedness", "wrong ndim/shape", lambda: eplb.balancedness(_W, _P2L[:, None], _CNT, 2), ValueError, "phy2log"),
+    Case("eplb.balancedness", "negative", lambda: eplb.balancedness(_W, _P2L, _CNT, -2), AssertionError, "num_gpus"),
+    Case("eplb.balancedness", "wrong value", lambda: eplb.balancedness(_W, _P2L, -_CNT, 2), ValueError, "logcnt"),
+    Case("eplb.count_moved", "wrong type", lambda: eplb.count_moved(5, _P2L), TypeError, "previous_phy2log"),
+    Case("eplb.count_moved", "wrong dtype", lambda: eplb.count_moved(_P2L, _P2L.double()), TypeError, "phy2log"),
+    Case("eplb.count_moved", "wrong ndim/shape", lambda: eplb.count_moved(_P2L, _P2L[:, :4]), ValueError, "previous_phy2log"),
+    Case("eplb.count_moved", "wrong ndim/shape", lambda: eplb.count_moved(_P2L[0], _P2L[0]), ValueError, "phy2log"),
+    Case("eplb.count_moved", "malformed object", lambda: eplb.count_moved([[1, 2], [3]], _P2L), ValueError, "previous_phy2log"),
     # --- bpe (more) -----------------------------------------------------------------------------------
     Case("bpe.save", "wrong type", lambda: bpe.save([b"a"], [], _dir() / "tok"), TypeError, "vocab"),
     Case("bpe.save", "wrong dtype", lambda: bpe.save({0: "a"}, [], _dir() / "tok"), TypeError, "vocab"),
@@ -369,6 +397,9 @@ CASES += [
     Case("bpe.save", "int64 overflow", lambda: bpe.save({2**70: b"a"}, [], _dir() / "tok"), ValueError, "vocab ids"),
     Case("bpe.save", "malformed object", lambda: bpe.save(_TINY_VOCAB, [(b"a",)], _dir() / "tok"), TypeError, r"merges\[0\]"),
     Case("bpe.save", "wrong dtype", lambda: bpe.save(_TINY_VOCAB, [("a", "b")], _dir() / "tok"), TypeError, r"merges\[0\]"),
+    Case("bpe.save", "wrong value", lambda: bpe.save(_TINY_VOCAB, [(b"ab", b"c")], _dir() / "tok"), ValueError, r"merges\[0\].*merged token b'abc' is not in vocab"),
+    Case("bpe.save", "wrong value", lambda: bpe.save({0: b"a", 1: b"ab"}, [(b"a", b"b")], _dir() / "tok"), ValueError, r"merges\[0\].*right token b'b' is not in vocab"),
+    Case("bpe.save", "wrong type", lambda: bpe.save(_TINY_VOCAB, 5, _dir() / "tok"), TypeError, "merges"),
     Case("bpe.save", "missing/unreadable file", lambda: bpe.save(_TINY_VOCAB, [], _file("not-a-dir", b"x")), OSError, "not-a-dir"),
     Case("bpe.load", "malformed string", lambda: bpe.load(Path(_file("vocab.json", b"")).parent), ValueError, r"vocab\.json: malformed JSON"),
     Case("bpe.load", "invalid UTF-8", lambda: bpe.load(Path(_file("vocab.json", b'{"\xff": 0}')).parent), ValueError, r"vocab\.json"),
@@ -465,6 +496,9 @@ CASES += [
     Case("trainfast pretokenize (CLI)", "missing/unreadable file", lambda: _cli("pretokenize", "/nonexistent/c.txt"), ValueError, "c.txt"),
     Case("trainfast eplb (CLI)", "zero", lambda: _cli("eplb", "--gpus", "0"), ValueError, "gpus"),
     Case("trainfast eplb (CLI)", "indivisible sizes", lambda: _cli("eplb", "--replicas", "300", "--gpus", "32"), ValueError, "replicas"),
+    Case("trainfast eplb (CLI)", "malformed string", lambda: _cli("eplb", _file("bad_loads.csv", b"1,2\n3,x\n")), ValueError, "bad_loads.csv"),
+    Case("trainfast eplb (CLI)", "malformed object", lambda: _cli("eplb", _file("bad_loads.npy", b"not an npy file")), ValueError, "bad_loads.npy"),
+    Case("trainfast eplb (CLI)", "malformed object", lambda: _cli("eplb", _file("bad_loads.pt", b"not a torch file")), ValueError, "bad_loads.pt"),
 ]
 
 CASES += [
@@ -500,6 +534,19 @@ ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
     ("pipeline.balanced_layout", "requires_grad tensor",
      lambda: pipeline.balanced_layout(torch.ones(8, requires_grad=True), 2, 2)[1],
      lambda: pipeline.balanced_layout([1.0] * 8, 2, 2)[1]),
+]
+ACCEPTED += [
+    ("eplb.gpu_loads", "non-contiguous/strided tensor",
+     lambda: eplb.gpu_loads(torch.arange(48.0).reshape(4, 12)[::2], torch.arange(24).reshape(2, 12).flip(1) % 12, _CNT, 2).tolist(),
+     lambda: eplb.gpu_loads(torch.arange(48.0).reshape(4, 12)[::2].contiguous(), (torch.arange(24).reshape(2, 12).flip(1) % 12).contiguous(), _CNT, 2).tolist()),
+    ("eplb.gpu_loads", "requires_grad tensor, NumPy int32 tables",
+     lambda: eplb.gpu_loads(torch.ones(2, 12, requires_grad=True), _P2L.numpy().astype(np.int32), _CNT.tolist(), 3).tolist(),
+     lambda: eplb.gpu_loads(torch.ones(2, 12), _P2L, _CNT, 3).tolist()),
+    ("eplb.count_moved", "non-contiguous/strided tensor",
+     lambda: eplb.count_moved(_P2L.t().contiguous().t(), _P2L.flip(1)), lambda: eplb.count_moved(_P2L, _P2L.flip(1).contiguous())),
+    ("bpe.WordCounts.from_bytes", "non-contiguous/strided buffer",
+     lambda: bpe.WordCounts.from_bytes(memoryview(bytes(b for x in bpe.WordCounts({b"hi": 2}).to_bytes() for b in (x, 0)))[::2]).to_bytes(),
+     lambda: bpe.WordCounts({b"hi": 2}).to_bytes()),
 ]
 ACCEPTED += [
     ("buckets.compute_full_param_layout", "empty",
@@ -585,6 +632,8 @@ def test_failed_calls_write_nothing(tmp_path):
         bpe.save(_TINY_VOCAB, [(b"a",)], out)
     with pytest.raises(ValueError):
         bpe.save({-1: b"a"}, [], out)
+    with pytest.raises(ValueError, match="not in vocab"):
+        bpe.save(_TINY_VOCAB, [(b"a", b"b"), (b"ab", b"c")], out)  # the second merge's token is missing
     with pytest.raises(ValueError):
         bpe_export.to_hf_tokenizer_json(_TINY_VOCAB, [], None, tmp_path / "t.json", pattern="(")
     corpus = tmp_path / "c.txt"
@@ -595,7 +644,11 @@ def test_failed_calls_write_nothing(tmp_path):
         _cli("bpe", "count", str(corpus), "--out", str(tmp_path / "c.tfwc"), "--no-progress")
     with pytest.raises(ValueError):
         _cli("eplb", "--gpus", "0", "--save", str(tmp_path / "plan.pt"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+    loads = tmp_path / "loads.csv"
+    loads.write_bytes(b"1,2\n3,x\n")
+    with pytest.raises(ValueError, match="loads.csv"):
+        _cli("eplb", str(loads), "--save", str(tmp_path / "plan.pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "loads.csv"]
 
 
 def test_failed_calls_leave_inputs_unchanged():

@@ -190,6 +190,18 @@ def test_refined_improves_a_bad_greedy_case():
     assert sorted(plan.bin_bytes.tolist()) == [6, 6]
 
 
+def test_refined_large_input_never_heavier_and_deterministic():
+    # Large enough that refining to a local optimum used to take minutes; the work budget stops it early.
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 10**6, size=200_000)
+    is_bytes = np.zeros(len(sizes), dtype=bool)
+    upstream = checkpoint.assign_bins(is_bytes, sizes, 1024)
+    refined = checkpoint.assign_bins(is_bytes, sizes, 1024, balance="refined")
+    assert refined.bin_bytes.max() <= upstream.bin_bytes.max()
+    assert np.array_equal(np.bincount(refined.bin_idx.numpy(), weights=sizes, minlength=1024), refined.bin_bytes.numpy())
+    assert torch.equal(checkpoint.assign_bins(is_bytes, sizes, 1024, balance="refined").order, refined.order)
+
+
 def test_refined_counts_known_byte_sizes():
     from torch.distributed.checkpoint.planner import BytesIOWriteData
 

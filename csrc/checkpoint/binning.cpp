@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <functional>
 #include <queue>
+#include <set>
 #include <utility>
 
 #include "common/check.h"
@@ -24,6 +26,10 @@ constexpr int64_t kLinearScanMaxBins = 32;
 // Bound on refinement steps; each step strictly lowers the sum of squared bin loads, so this only
 // guards against pathological inputs taking quadratic time.
 constexpr int64_t kMaxRefineSteps = 100000;
+// Refinement work budget (comparisons and element shifts): kRefineWorkPerItem * m * log2(m) for
+// m = items + bins, at least kRefineMinWork (small inputs always refine to a local optimum).
+constexpr int64_t kRefineWorkPerItem = 16;
+constexpr int64_t kRefineMinWork = int64_t{1} << 24;
 
 // Tensor items sorted by size, largest first, stable; sizes carried along so the greedy pass reads
 // them sequentially instead of gathering from the input.
@@ -144,32 +150,55 @@ struct Change {
   int64_t to_item;
 };
 
+// ceil(log2(n + 1)) + 1: comparisons charged for one binary search over n entries.
+int64_t search_cost(size_t n) { return std::bit_width(n) + 1; }
+
 // Local search after the greedy pass. Per bin, items are kept sorted by (size, item index) so the best
-// move/swap toward an even split of the pair is found by binary search.
+// move/swap toward an even split of the pair is found by binary search. Each step takes the change
+// with the lowest new pair maximum (ties: lowest other bin, then first found) and strictly lowers the
+// sum of squared loads, so the maximum never rises above the greedy's. Cost is bounded: other bins are
+// visited lightest first and skipped once even a perfect split could not beat the best change found,
+// and all work (comparisons, element shifts) is charged against a budget of O((n + bins) log n), after
+// which refining stops with the improvements made so far (deterministic: the budget counts work, not time).
 void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
             std::vector<int64_t>& bin_idx, Interrupt* interrupt) {
   const int64_t num_bins = static_cast<int64_t>(bin_load.size());
+  const size_t num_items = sizes.size();
   using SizedItem = std::pair<int64_t, int64_t>;  // (size, item)
   std::vector<std::vector<SizedItem>> members(num_bins);
-  for (int64_t i = 0; i < static_cast<int64_t>(sizes.size()); ++i) {
-    members[bin_idx[i]].emplace_back(sizes[i], i);
+  for (size_t i = 0; i < num_items; ++i) {
+    members[bin_idx[i]].emplace_back(sizes[i], static_cast<int64_t>(i));
   }
   for (auto& m : members) std::sort(m.begin(), m.end());
+  std::set<std::pair<int64_t, int64_t>> by_load;  // (load, bin)
+  for (int64_t b = 0; b < num_bins; ++b) by_load.emplace(bin_load[b], b);
 
-  for (int64_t step = 0; step < kMaxRefineSteps; ++step) {
+  const size_t scale = num_items + static_cast<size_t>(num_bins);
+  int64_t budget = std::max<int64_t>(kRefineMinWork, kRefineWorkPerItem * static_cast<int64_t>(scale) *
+                                                         search_cost(scale));
+  for (int64_t step = 0; step < kMaxRefineSteps && budget > 0; ++step) {
     poll(interrupt);
-    const int64_t heavy = std::max_element(bin_load.begin(), bin_load.end()) - bin_load.begin();
+    // The heaviest bin, lowest index among equals.
+    const int64_t heavy_load = by_load.rbegin()->first;
+    const int64_t heavy = by_load.lower_bound({heavy_load, -1})->second;
     const auto& heavy_items = members[heavy];
-    Change best{bin_load[heavy], -1, -1, -1};
+    Change best{heavy_load, -1, -1, -1};
     auto consider = [&](int64_t other, int64_t delta, int64_t from_item, int64_t to_item) {
       // Moving `delta` bytes from the heavy bin to `other`.
-      const int64_t pair_max = std::max(bin_load[heavy] - delta, bin_load[other] + delta);
-      if (pair_max < best.new_pair_max) best = {pair_max, other, from_item, to_item};
+      const int64_t pair_max = std::max(heavy_load - delta, bin_load[other] + delta);
+      if (pair_max < best.new_pair_max ||
+          (best.other_bin >= 0 && pair_max == best.new_pair_max && other < best.other_bin)) {
+        best = {pair_max, other, from_item, to_item};
+      }
     };
-    for (int64_t other = 0; other < num_bins; ++other) {
-      const int64_t gap = bin_load[heavy] - bin_load[other];
-      if (other == heavy || gap <= 1) continue;
+    for (const auto& [other_load, other] : by_load) {
+      const int64_t gap = heavy_load - other_load;
+      if (gap <= 1) break;  // ascending loads: no later bin can take anything either
+      // No change with a later (heavier) bin can beat a perfect split with this one.
+      if (heavy_load - gap / 2 > best.new_pair_max) break;
+      if (budget <= 0) break;  // out of work: apply the best change found so far, then stop
       const int64_t half = gap / 2;
+      budget -= search_cost(heavy_items.size());
       // Best single move: the item whose size is closest to gap/2 with 0 < size < gap.
       auto it = std::lower_bound(heavy_items.begin(), heavy_items.end(), SizedItem{half, -1});
       for (auto cand : {it, it == heavy_items.begin() ? heavy_items.end() : std::prev(it)}) {
@@ -180,8 +209,11 @@ void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
       // Best swap: a from heavy, b from other with 0 < a - b < gap and a - b closest to gap/2.
       const auto& other_items = members[other];
       if (other_items.empty()) continue;
+      const int64_t per_search = search_cost(other_items.size());
       for (size_t k = 0; k < heavy_items.size(); ++k) {
         if (k > 0 && heavy_items[k].first == heavy_items[k - 1].first) continue;
+        if (budget <= 0) break;
+        budget -= per_search;
         const int64_t a = heavy_items[k].first;
         auto jt = std::lower_bound(other_items.begin(), other_items.end(), SizedItem{a - half, -1});
         for (auto cand : {jt, jt == other_items.begin() ? other_items.end() : std::prev(jt)}) {
@@ -193,13 +225,17 @@ void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
     }
     if (best.other_bin < 0) return;
 
+    by_load.erase({bin_load[heavy], heavy});
+    by_load.erase({bin_load[best.other_bin], best.other_bin});
     auto take = [&](int64_t bin, int64_t item) {
       auto& m = members[bin];
+      budget -= static_cast<int64_t>(m.size());  // the shift of erase
       m.erase(std::lower_bound(m.begin(), m.end(), SizedItem{sizes[item], item}));
       bin_load[bin] -= sizes[item];
     };
     auto put = [&](int64_t bin, int64_t item) {
       auto& m = members[bin];
+      budget -= static_cast<int64_t>(m.size());  // the shift of insert
       m.insert(std::lower_bound(m.begin(), m.end(), SizedItem{sizes[item], item}),
                SizedItem{sizes[item], item});
       bin_load[bin] += sizes[item];
@@ -211,6 +247,8 @@ void refine(std::span<const int64_t> sizes, std::vector<int64_t>& bin_load,
       take(best.other_bin, best.to_item);
       put(heavy, best.to_item);
     }
+    by_load.emplace(bin_load[heavy], heavy);
+    by_load.emplace(bin_load[best.other_bin], best.other_bin);
   }
 }
 

@@ -12,6 +12,7 @@ namespace trainfast::checkpoint {
 enum class Balance {
   kUpstream,  // bit-identical to upstream: bytes round-robin (sizes ignored), tensors greedy LPT
   kRefined,   // byte sizes counted, then moves/swaps out of the heaviest bin until none helps
+              // or a work budget of O((n + bins) log n) is spent
 };
 
 struct BinPlan {

@@ -321,13 +321,70 @@ def replicate_experts(weight: Any, num_phy: int, *, num_threads: int | None = No
 
 # --- beyond upstream -------------------------------------------------------------------------------
 
+def _placement_table(value: Any, name: str) -> np.ndarray:
+    """An integer 2-D placement table (phy2log, logcnt, ...) as int64 NumPy."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must have an integer dtype (got {value.dtype})")
+        value = value.contiguous().numpy()
+    elif isinstance(value, (str, bytes)) or not (isinstance(value, np.ndarray) or hasattr(value, "__len__")):
+        raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence "
+                        f"(got {type(value).__name__} {value!r})")
+    else:
+        try:
+            value = np.asarray(value)
+        except ValueError as exc:  # ragged nesting
+            raise ValueError(f"{name} must be a rectangular 2-D table ({exc})") from None
+        if value.size == 0 and value.dtype.kind == "f":
+            value = value.astype(np.int64)
+    if value.dtype.kind not in "iu":
+        raise TypeError(f"{name} must have an integer dtype (got {value.dtype})")
+    if value.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (got shape {tuple(value.shape)})")
+    if value.dtype.kind == "u" and value.size and value.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} has values that do not fit in int64 (max {value.max()})")
+    return np.ascontiguousarray(value, dtype=np.int64)
+
+
 def gpu_loads(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> np.ndarray:
-    """float64 `[num_layers, num_gpus]`: each GPU's load, every replica carrying load / count."""
-    w = _float32_cpu(_weight_2d(weight)).numpy().astype(np.float64)
-    p2l = np.asarray(phy2log, dtype=np.int64)
-    cnt = np.asarray(logcnt, dtype=np.int64)
+    """float64 `[num_layers, num_gpus]`: each GPU's load, every replica carrying load / count.
+
+    Args:
+        weight: `[num_layers, num_logical]` loads (real dtype, no NaN).
+        phy2log: `[num_layers, num_physical]` integer logical expert of each slot, in ``[0, num_logical)``;
+            ``num_physical`` divisible by ``num_gpus``.
+        logcnt: `[num_layers, num_logical]` integer replica count of each logical expert, >= 1.
+        num_gpus: positive int.
+    """
+    tensor = _weight_2d(weight)
+    if tensor.dtype == torch.bool:
+        raise TypeError(f"weight must have a numeric dtype (got {tensor.dtype})")
+    w = _float32_cpu(tensor).numpy().astype(np.float64)
+    if np.isnan(w).any():
+        layer, expert = (int(i) for i in np.argwhere(np.isnan(w))[0])
+        raise ValueError(f"weight[{layer}, {expert}] is NaN")
+    p2l = _placement_table(phy2log, "phy2log")
+    cnt = _placement_table(logcnt, "logcnt")
+    num_gpus = _count(num_gpus, "num_gpus")
+    num_layers, num_logical = w.shape
+    if p2l.shape[0] != num_layers or p2l.shape[1] == 0:
+        raise ValueError(f"phy2log must have shape [{num_layers}, num_physical > 0] to match weight "
+                         f"(got shape {tuple(p2l.shape)})")
+    if cnt.shape != w.shape:
+        raise ValueError(f"logcnt must have the shape of weight {tuple(w.shape)} (got shape {tuple(cnt.shape)})")
+    if p2l.shape[1] % num_gpus:
+        raise ValueError(f"num_gpus must divide the number of physical experts "
+                         f"(got num_gpus={num_gpus}, {p2l.shape[1]} physical experts)")
+    bad = (p2l < 0) | (p2l >= num_logical)
+    if bad.any():
+        layer, slot = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"phy2log[{layer}, {slot}] must be in [0, {num_logical}) (got {p2l[layer, slot]})")
+    if (cnt < 1).any():
+        layer, expert = (int(i) for i in np.argwhere(cnt < 1)[0])
+        raise ValueError(f"logcnt[{layer}, {expert}] must be >= 1 (got {cnt[layer, expert]})")
     per_replica = np.take_along_axis(w / cnt, p2l, axis=1)
-    return per_replica.reshape(p2l.shape[0], num_gpus, -1).sum(-1)
+    return per_replica.reshape(num_layers, num_gpus, -1).sum(-1)
 
 
 def balancedness(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> float:
@@ -412,8 +469,16 @@ def _keep_previous_slots(previous_phy2log: Any, phy2log: np.ndarray, phyrank: np
 
 
 def count_moved(previous_phy2log: Any, phy2log: Any) -> int:
-    """Number of physical slots whose logical expert changes (experts to migrate)."""
-    return int((np.asarray(previous_phy2log, dtype=np.int64) != np.asarray(phy2log, dtype=np.int64)).sum())
+    """Number of physical slots whose logical expert changes (experts to migrate).
+
+    Both are `[num_layers, num_physical]` integer tables of the same shape.
+    """
+    previous = _placement_table(previous_phy2log, "previous_phy2log")
+    current = _placement_table(phy2log, "phy2log")
+    if previous.shape != current.shape:
+        raise ValueError(f"previous_phy2log must have the shape of phy2log {tuple(current.shape)} "
+                         f"(got shape {tuple(previous.shape)})")
+    return int((previous != current).sum())
 
 
 # --- torch.library custom op (works under torch.compile) ---------------------------------------------

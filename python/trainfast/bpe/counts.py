@@ -156,7 +156,10 @@ class WordCounts:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *, source: str = "data") -> WordCounts:
         """Parses :meth:`to_bytes` output; a corrupt or truncated input raises ValueError naming ``source``."""
-        data = memoryview(data).cast("B")
+        if isinstance(data, str) or not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, bytearray or memoryview (got {type(data).__name__})")
+        data = memoryview(data)
+        data = data.cast("B") if data.c_contiguous else memoryview(data.tobytes())  # strided views: copy
 
         def corrupt(why: str) -> ValueError:
             return ValueError(f"{source} is not a valid WordCounts file: {why}")

@@ -67,10 +67,17 @@ def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: st
         if token in seen:
             raise ValueError(f"vocab maps ids {seen[token]} and {token_id} to the same token {token!r}")
         seen[token] = token_id
+    if isinstance(merges, (str, bytes, dict)) or not hasattr(merges, "__iter__"):
+        raise TypeError(f"merges must be a list of (bytes, bytes) (got {type(merges).__name__})")
     lines = []
     for idx, merge in enumerate(merges):
         if not (isinstance(merge, tuple) and len(merge) == 2 and all(isinstance(x, bytes) and x for x in merge)):
             raise TypeError(f"merges[{idx}] must be a tuple of two non-empty bytes (got {merge!r})")
+        # Same rule as Tokenizer and the exporters: a file they would reject is never written.
+        for what, token in (("left", merge[0]), ("right", merge[1]), ("merged", merge[0] + merge[1])):
+            if token not in seen:
+                raise ValueError(f"merges[{idx}] = ({merge[0]!r}, {merge[1]!r}) refers to an unknown token: "
+                                 f"its {what} token {token!r} is not in vocab")
         lines.append(f"{_encode(merge[0])} {_encode(merge[1])}\n")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

@@ -45,17 +45,26 @@ def load_loads(path: str) -> Any:
     import numpy as np
     import torch
 
+    import pickle
+
     suffix = Path(path).suffix.lower()
-    if suffix in (".pt", ".pth"):
-        value = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{path} must hold a single tensor (got {type(value).__name__})")
-        return value
-    if suffix == ".npy":
-        return torch.from_numpy(np.load(path, allow_pickle=False))
-    if suffix in (".csv", ".txt"):
-        return torch.from_numpy(np.atleast_2d(np.loadtxt(path, delimiter=",")))
-    raise ValueError(f"loads must be a .pt, .npy or .csv file (got {path!r})")
+    if suffix not in (".pt", ".pth", ".npy", ".csv", ".txt"):
+        raise ValueError(f"loads must be a .pt, .npy or .csv file (got {path!r})")
+    try:
+        if suffix in (".pt", ".pth"):
+            value = torch.load(path, map_location="cpu", weights_only=True)
+        elif suffix == ".npy":
+            value = torch.from_numpy(np.load(path, allow_pickle=False))
+        else:
+            value = torch.from_numpy(np.atleast_2d(np.loadtxt(path, delimiter=",")))
+    except OSError:
+        raise  # names the file already
+    except (ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        # Parser messages give a line or a byte, never the file: add it.
+        raise ValueError(f"loads file {path!r} is malformed: {error}") from None
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"loads file {path!r} must hold a single tensor (got {type(value).__name__})")
+    return value
 
 
 def synthetic_loads(num_layers: int = 58, num_experts: int = 256, seed: int = 0) -> Any:
