@@ -351,8 +351,19 @@ py::dict index_map(const py::list& params, const CArray<int64_t>& param_start, c
   return out;
 }
 
+// The dict's modification tag (PEP 509: changes on every insert, delete or value store; unique
+// across dicts); 0 where this Python has none.
+unsigned long long dict_version(PyObject* dict) {
+#if PY_VERSION_HEX < 0x030C0000
+  return static_cast<unsigned long long>(reinterpret_cast<PyDictObject*>(dict)->ma_version_tag);
+#else
+  (void)dict;
+  return 0;
+#endif
+}
+
 // A snapshot of a param_index_map for repeated range-map calls: (keys, values, starts, ends,
-// running max of ends, starts_sorted), or None unless every value is an exact (int, int, int).
+// running max of ends, starts_sorted, version), or None unless every value is an exact (int, int, int).
 py::object index_snapshot(const py::dict& param_world_index_map) {
   const Py_ssize_t n = PyDict_GET_SIZE(param_world_index_map.ptr());
   py::tuple keys(n), values(n);
@@ -388,7 +399,7 @@ py::object index_snapshot(const py::dict& param_world_index_map) {
   }
   if (i != n) return py::none();
   return py::make_tuple(keys, values, to_numpy(std::move(starts)), to_numpy(std::move(ends)),
-                        to_numpy(std::move(max_end)), sorted);
+                        to_numpy(std::move(max_end)), sorted, dict_version(param_world_index_map.ptr()));
 }
 
 // _build_model_gbuf_param_range_map from a snapshot: checks the dict still holds the very same key
@@ -397,7 +408,8 @@ py::object index_snapshot(const py::dict& param_world_index_map) {
 py::object param_range_map_indexed(const py::dict& param_world_index_map, const py::tuple& keys,
                                    const py::tuple& values, const CArray<int64_t>& param_start,
                                    const CArray<int64_t>& param_end, const CArray<int64_t>& max_end,
-                                   bool starts_sorted, int64_t world_start, int64_t world_end,
+                                   bool starts_sorted, unsigned long long version, int64_t world_start,
+                                   int64_t world_end,
                                    int64_t bucket_offset, const py::object& range_type) {
   const Py_ssize_t n = PyTuple_GET_SIZE(keys.ptr());
   const auto starts = span_1d(param_start, "param_start");
@@ -408,7 +420,7 @@ py::object param_range_map_indexed(const py::dict& param_world_index_map, const 
     throw py::value_error("snapshot arrays must have one entry per key");
   }
   if (PyDict_GET_SIZE(param_world_index_map.ptr()) != n) return py::none();
-  {
+  if (version == 0 || dict_version(param_world_index_map.ptr()) != version) {
     PyObject *key = nullptr, *value = nullptr;
     Py_ssize_t pos = 0, i = 0;
     while (PyDict_Next(param_world_index_map.ptr(), &pos, &key, &value)) {
@@ -474,10 +486,11 @@ void register_buckets(py::module_& m) {
         py::arg("param_end").noconvert(), py::arg("bucket_id").noconvert(), py::arg("id_hash_type"),
         "Megatron's param_index_map {param: (start, end, bucket_id)} in reverse (layout) order.");
   m.def("buckets_index_snapshot", &index_snapshot, py::arg("param_world_index_map"),
-        "(keys, values, starts, ends, max_end, starts_sorted) of a param_index_map, or None.");
+        "(keys, values, starts, ends, max_end, starts_sorted, version) of a param_index_map, or None.");
   m.def("buckets_param_range_map_indexed", &param_range_map_indexed, py::arg("param_world_index_map"),
         py::arg("keys"), py::arg("values"), py::arg("param_start").noconvert(), py::arg("param_end").noconvert(),
-        py::arg("max_end").noconvert(), py::arg("starts_sorted"), py::arg("world_start"), py::arg("world_end"),
+        py::arg("max_end").noconvert(), py::arg("starts_sorted"), py::arg("version"), py::arg("world_start"),
+        py::arg("world_end"),
         py::arg("bucket_offset"), py::arg("range_type"),
         "_build_model_gbuf_param_range_map from a snapshot; None when the dict changed since.");
 }

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -753,9 +754,47 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
         raise UpstreamAssertionError(f"Each bucket's buffer size should be divisible by {world}")
     shard = size // world
     start = rank * shard
-    world_range = _range_type()(start + bucket.offset, min(size, start + shard) + bucket.offset)
+    range_type = _range_type()
+    world_range = range_type(start + bucket.offset, min(size, start + shard) + bucket.offset)
     build = cls._build_model_gbuf_param_range_map if cls is not None else build_model_gbuf_param_range_map
+    if cls is None or getattr(getattr(build, "__func__", None), "_trainfast_range_map", False):
+        param_map = _indexed_range_map(param_and_grad_buffer, world_range, bucket.offset, range_type)
+        if param_map is not None:
+            return {"param_map": param_map}
     return {"param_map": build(param_and_grad_buffer.param_index_map, world_range, bucket.offset)}
+
+
+# buffer -> (its param_index_map, a snapshot of it): the range builder runs once per (rank, bucket)
+# on the same map; the snapshot is re-checked against the dict on every call.
+_SNAPSHOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _indexed_range_map(buffer: Any, world_range: Any, bucket_offset: Any, range_type: Any) -> dict | None:
+    """build_model_gbuf_param_range_map through a snapshot of ``buffer.param_index_map`` (visits only
+    the params that can overlap the range); None where the plain path must run."""
+    index_map = buffer.param_index_map
+    if type(index_map) is not dict:
+        return None
+    start, end, offset = int(world_range.start), int(world_range.end), int(bucket_offset)
+    for _ in range(2):
+        try:
+            cached = _SNAPSHOTS.get(buffer)
+        except TypeError:  # not weak-referenceable or unhashable: no cache
+            return None
+        if cached is None or cached[0] is not index_map:
+            snapshot = _core.buckets_index_snapshot(index_map)
+            if snapshot is None:
+                return None
+            cached = (index_map, snapshot)
+            try:
+                _SNAPSHOTS[buffer] = cached
+            except TypeError:
+                return None
+        result = _core.buckets_param_range_map_indexed(index_map, *cached[1], start, end, offset, range_type)
+        if result is not None:
+            return result
+        _SNAPSHOTS.pop(buffer, None)  # the dict changed since: snapshot it again
+    return None
 
 
 def _range_type() -> Any:
