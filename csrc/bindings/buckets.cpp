@@ -322,16 +322,24 @@ py::dict index_map(const py::list& params, const CArray<int64_t>& param_start, c
 #endif
   PyTypeObject* fast_type =
       id_hash_type.is_none() ? nullptr : reinterpret_cast<PyTypeObject*>(id_hash_type.ptr());
+  py::object last_end, last_bucket;
+  int64_t last_end_value = 0, last_bucket_value = 0;
   for (size_t k = n; k-- > 0;) {
     PyObject* param = PyList_GET_ITEM(params.ptr(), static_cast<Py_ssize_t>(k));
     py::object value = py::reinterpret_steal<py::object>(PyTuple_New(3));
     if (!value) throw py::error_already_set();
-    const int64_t triple[3] = {starts[k], ends[k], ids[k]};
-    for (Py_ssize_t j = 0; j < 3; ++j) {
-      PyObject* item = PyLong_FromLongLong(triple[j]);
-      if (item == nullptr) throw py::error_already_set();
-      PyTuple_SET_ITEM(value.ptr(), j, item);
-    }
+    // A param usually starts where the previous one ended, in the previous one's bucket: share those ints.
+    PyObject* start = starts[k] == last_end_value && last_end ? last_end.inc_ref().ptr() : PyLong_FromLongLong(starts[k]);
+    PyObject* end = PyLong_FromLongLong(ends[k]);
+    PyObject* bucket = ids[k] == last_bucket_value && last_bucket ? last_bucket.inc_ref().ptr() : PyLong_FromLongLong(ids[k]);
+    PyTuple_SET_ITEM(value.ptr(), 0, start);
+    PyTuple_SET_ITEM(value.ptr(), 1, end);
+    PyTuple_SET_ITEM(value.ptr(), 2, bucket);
+    if (start == nullptr || end == nullptr || bucket == nullptr) throw py::error_already_set();
+    last_end = py::reinterpret_borrow<py::object>(end);
+    last_end_value = ends[k];
+    last_bucket = py::reinterpret_borrow<py::object>(bucket);
+    last_bucket_value = ids[k];
     int rc;
 #if PY_VERSION_HEX < 0x030D0000
     if (fast_type != nullptr && Py_TYPE(param) == fast_type) {

@@ -696,6 +696,14 @@ def partition_buckets(
                 raise UpstreamAssertionError(
                     "force_single_bucket_group needs every buffer to share ddp_config and data-parallel group"
                 )
+    if not force_single_bucket_group and not flags.any():
+        # One group per bucket, each built with its own buffer's settings: building the groups is all the
+        # work (upstream's constructor, one per bucket), so no index arrays in between.
+        groups = []
+        for buffer in buffer_list:
+            config, group, size = buffer.ddp_config, buffer.data_parallel_group, buffer.data_parallel_world_size
+            groups.extend([_ParamAndGradBucketGroup([bucket], config, group, size) for bucket in buffer.buckets])
+        return groups
     counts = np.fromiter((len(b.buckets) for b in buffer_list), dtype=np.int64, count=len(buffer_list))
     offsets, pairs = _core.buckets_partition(
         flags, counts, bool(force_single_bucket_group), bool(reduce_scatter_with_fp32_accumulation)
