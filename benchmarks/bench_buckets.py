@@ -229,8 +229,9 @@ def newest_child_main(quick: bool) -> None:
             assert list(a.param_index_map.items()) == list(b.param_index_map.items())
             assert a.param_indices == b.param_indices and a.num_optimizer_shards == b.num_optimizer_shards
         _, t_group_patched = timeit(lambda: pgb.group_params_for_buffers(params, False), repeats=repeats)
-        t_partition, t_partition_patched = paired_timeit(lambda: [upstream_partition([b]) for b in built],
-                                                         lambda: [pgb.partition_buckets([b]) for b in built], repeats)
+        t_partition, t_partition_patched = paired_timeit(
+            lambda: [upstream_partition([b]) for b in built], lambda: [pgb.partition_buckets([b]) for b in built],
+            3 * repeats)
         # the first call on a buffer also snapshots its param_index_map (one pass); later calls reuse it
         buckets._SNAPSHOTS.clear()
         first_calls = []
@@ -386,8 +387,9 @@ def main() -> None:
         integration.patch()
         try:
             per_call_patched = {name: time_range_calls(distopt, b, dp, samples * 4) for name, b in built.items()}
-            t_mc_groups, t_tf_groups = paired_timeit(lambda: [upstream_partition([b]) for b in buffer_list],
-                                                     lambda: [pgb.partition_buckets([b]) for b in buffer_list], repeats)
+            t_mc_groups, t_tf_groups = paired_timeit(
+                lambda: [upstream_partition([b]) for b in buffer_list],
+                lambda: [pgb.partition_buckets([b]) for b in buffer_list], 3 * repeats)
         finally:
             integration.unpatch()
         t_tf_ranges = sum(per_call_patched[n] * calls[n] for n in built)

@@ -336,6 +336,9 @@ py::dict index_map(const py::list& params, const CArray<int64_t>& param_start, c
     PyTuple_SET_ITEM(value.ptr(), 1, end);
     PyTuple_SET_ITEM(value.ptr(), 2, bucket);
     if (start == nullptr || end == nullptr || bucket == nullptr) throw py::error_already_set();
+    // A tuple of ints holds no references the cycle collector must follow; CPython untracks such
+    // tuples itself at their first collection, doing it now spares the collections 45k entries.
+    PyObject_GC_UnTrack(value.ptr());
     last_end = py::reinterpret_borrow<py::object>(end);
     last_end_value = ends[k];
     last_bucket = py::reinterpret_borrow<py::object>(bucket);
