@@ -774,3 +774,19 @@ def test_quantized_storage_test_skipped_only_when_provably_false(monkeypatch):
     param = torch.nn.Parameter(torch.zeros(3))
     param._fp8 = True
     assert check(param) and list(buckets.group_params_for_buffers([param], False))[0].param_dtype == torch.uint8
+
+
+def test_full_layout_sizes_params_as_upstream_does():
+    """Upstream sizes a param by ``param.data.nelement()``: an attribute shadowing ``nelement`` on the
+    param itself changes nothing, for plain Parameters and subclasses alike."""
+
+    class Tagged(torch.nn.Parameter):
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(100)), Tagged(torch.zeros(30)), torch.nn.Parameter(torch.zeros(7))]
+    for p in params:
+        p.nelement = lambda: 1
+    config = types.SimpleNamespace(grad_reduce_in_fp32=False, pad_buckets_for_high_nccl_busbw=False)
+    full = buckets.compute_full_param_layout(params, None, 2, config)
+    (layout,) = full.layouts.values()
+    assert [layout.param_index_map[p] for p in params] == [(128, 228, 0), (64, 94, 0), (0, 7, 0)]

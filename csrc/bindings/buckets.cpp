@@ -216,7 +216,7 @@ struct KeyIndex {
 // key order, or None where the Python path must run.
 py::object group_params(const py::list& params, bool grad_reduce_in_fp32, const py::object& fp32,
                         const py::object& uint8, const py::object& quantized, const py::object& parameter_type,
-                        bool layout_inputs) {
+                        const py::object& tensor_nelement, bool layout_inputs) {
   static PyObject* s_requires_grad = PyUnicode_InternFromString("requires_grad");
   static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
   static PyObject* s_allreduce = PyUnicode_InternFromString("allreduce");
@@ -267,11 +267,15 @@ py::object group_params(const py::list& params, bool grad_reduce_in_fp32, const 
       if (PyList_Append(group.members.ptr(), param) != 0) throw py::error_already_set();
       group.indices.push_back(fake_counts[static_cast<size_t>(f)]++);
       if (layout_inputs) {
-        // upstream reads param.data.nelement(); a plain Parameter's own size is the same
-        py::object owner = Py_TYPE(param) == reinterpret_cast<PyTypeObject*>(exact_parameter)
-                               ? py::reinterpret_borrow<py::object>(param)
-                               : steal_or_irregular(PyObject_GetAttr(param, s_data));
-        py::object numel = steal_or_irregular(PyObject_CallMethodNoArgs(owner.ptr(), s_nelement));
+        // upstream reads param.data.nelement(): for a plain Parameter that is torch.Tensor's nelement
+        // (the caller's tensor_nelement) applied to the same sizes, so apply it to the param itself
+        py::object numel;
+        if (Py_TYPE(param) == reinterpret_cast<PyTypeObject*>(exact_parameter) && !tensor_nelement.is_none()) {
+          numel = steal_or_irregular(PyObject_CallOneArg(tensor_nelement.ptr(), param));
+        } else {
+          py::object data = steal_or_irregular(PyObject_GetAttr(param, s_data));
+          numel = steal_or_irregular(PyObject_CallMethodNoArgs(data.ptr(), s_nelement));
+        }
         const long long value = PyLong_AsLongLong(numel.ptr());
         if (value == -1 && PyErr_Occurred()) {
           PyErr_Clear();
@@ -490,7 +494,8 @@ void register_buckets(py::module_& m) {
         py::arg("world_end"), py::arg("bucket_offset"), py::arg("range_type"),
         "Megatron's _build_model_gbuf_param_range_map: {param: {name: Range}} for owned params.");
   m.def("buckets_group_params", &group_params, py::arg("params"), py::arg("grad_reduce_in_fp32"), py::arg("fp32"),
-        py::arg("uint8"), py::arg("quantized"), py::arg("parameter_type"), py::arg("layout_inputs"),
+        py::arg("uint8"), py::arg("quantized"), py::arg("parameter_type"), py::arg("tensor_nelement"),
+        py::arg("layout_inputs"),
         "group_params_for_buffers in one pass: [(key, params, param_indices, numels, shared)], or None where "
         "the Python path must run.");
   m.def("buckets_index_map", &index_map, py::arg("params"), py::arg("param_start").noconvert(),

@@ -48,7 +48,7 @@ def buckets_param_range_map(
 ) -> dict[Any, dict[str, Any]]: ...
 def buckets_group_params(
     params: list[Any], grad_reduce_in_fp32: bool, fp32: Any, uint8: Any, quantized: Any, parameter_type: Any,
-    layout_inputs: bool,
+    tensor_nelement: Any, layout_inputs: bool,
 ) -> list[tuple[tuple[Any, Any, bool, Any], list[Any], list[int], Any, Any]] | None: ...
 def buckets_index_map(
     params: list[Any], param_start: npt.NDArray[np.int64], param_end: npt.NDArray[np.int64],

@@ -508,8 +508,14 @@ def _group_params(param_list: list, grad_reduce_in_fp32: bool, layout_inputs: bo
 
     predicates = _quantized_predicates()
     check = _quantized_storage_check(predicates)
+    # torch.Tensor.nelement, what upstream's param.data.nelement() runs, while it is torch's own method
+    nelement = torch.Tensor.nelement
+    if nelement is not getattr(torch._C.TensorBase, "nelement", None) or (
+            type(nelement).__name__ != "method_descriptor"):
+        nelement = None
     native = _core.buckets_group_params(
-        param_list, bool(grad_reduce_in_fp32), torch.float, torch.uint8, check, torch.nn.Parameter, layout_inputs
+        param_list, bool(grad_reduce_in_fp32), torch.float, torch.uint8, check, torch.nn.Parameter, nelement,
+        layout_inputs,
     )
     if native is not None:
         return {_make_key(*key): (members, indices, numels, shared) for key, members, indices, numels, shared in native}
