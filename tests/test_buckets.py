@@ -790,3 +790,7 @@ def test_full_layout_sizes_params_as_upstream_does():
     full = buckets.compute_full_param_layout(params, None, 2, config)
     (layout,) = full.layouts.values()
     assert [layout.param_index_map[p] for p in params] == [(128, 228, 0), (64, 94, 0), (0, 7, 0)]
+    per_buffer = buckets.compute_per_buffer_param_layout(params, None, 2, config)
+    assert list(per_buffer.param_index_map.items()) == list(layout.param_index_map.items())
+    default = buckets.compute_default_per_buffer_param_layout(params, None)
+    assert [default.param_index_map[p] for p in params] == [(37, 137, 0), (7, 37, 0), (0, 7, 0)]

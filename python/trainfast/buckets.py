@@ -476,9 +476,13 @@ def _numel_reader() -> Any:
     import torch
 
     parameter_type = torch.nn.Parameter
+    tensor_nelement = torch.Tensor.nelement
+    if tensor_nelement is not getattr(torch._C.TensorBase, "nelement", None):
+        return lambda param: param.data.nelement()
 
     def numel(param: Any) -> int:
-        return param.nelement() if type(param) is parameter_type else param.data.nelement()
+        # torch.Tensor.nelement on the param itself: an attribute on the param cannot shadow it
+        return tensor_nelement(param) if type(param) is parameter_type else param.data.nelement()
 
     return numel
 
