@@ -340,6 +340,65 @@ def range_maps_as_tuples(data):
     ]
 
 
+class RangeBuffer:
+    """The attributes the range builder reads from a _ParamAndGradBuffer."""
+
+    def __init__(self, param_index_map, bucket_indices, dp, rank=0):
+        self.param_index_map = param_index_map
+        self.buckets = [types.SimpleNamespace(offset=start, grad_data=torch.empty(end - start, device="meta"))
+                        for start, end in bucket_indices]
+        self.data_parallel_group = FakeGroup(dp, rank)
+        self.num_optimizer_shards = None
+
+
+def full_scan_ranges(buffer, bucket_index):
+    """The range builder's answer from a plain pass over the dict (no snapshot)."""
+    dp, rank = buffer.data_parallel_group.size(), buffer.data_parallel_group.rank()
+    bucket = buffer.buckets[bucket_index]
+    shard = bucket.grad_data.numel() // dp
+    world = buckets._range_type()(bucket.offset + rank * shard, bucket.offset + (rank + 1) * shard)
+    return {"param_map": buckets.build_model_gbuf_param_range_map(buffer.param_index_map, world, bucket.offset)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_range_builder_snapshot_follows_dict_changes(seed):
+    """The range builder keeps a snapshot of each buffer's param_index_map between calls: any change to
+    the dict (a value replaced, an entry deleted or re-added, a new dict, any order) gives the answer
+    of a fresh pass."""
+    rng = random.Random(700 + seed)
+    params = make_params(rng, rng.randint(2, 50), shared_ends=rng.random() < 0.5)
+    dp = rng.choice([1, 2, 3, 8])
+    layout = buckets.plan_layout([p.numel() for p in params], bucket_size=rng.choice([None, 3000]),
+                                 data_parallel_world_size=dp)
+    index_map = dict(zip(params[::-1], zip(layout.param_start.tolist()[::-1], layout.param_end.tolist()[::-1],
+                                           layout.bucket_id.tolist()[::-1])))
+    buffer = RangeBuffer(index_map, layout.bucket_indices.tolist(), dp)
+
+    def check_all():
+        for r in range(dp):
+            buffer.data_parallel_group = FakeGroup(dp, r)
+            for b in range(len(buffer.buckets)):
+                got = buckets.build_model_gbuf_range(buffer, b)
+                assert range_maps_as_tuples(got) == range_maps_as_tuples(full_scan_ranges(buffer, b))
+
+    check_all()
+    assert buckets._SNAPSHOTS[buffer][0] is index_map  # later calls went through the snapshot
+    victim = rng.choice(params)
+    start, end, bucket_id = index_map[victim]
+    index_map[victim] = (start + 1, end + 1, bucket_id)  # same size, new tuple
+    check_all()
+    del index_map[victim]
+    check_all()
+    index_map[victim] = (start, end, bucket_id)  # back, now last in order (starts no longer sorted)
+    check_all()
+    shuffled = list(index_map.items())
+    rng.shuffle(shuffled)
+    buffer.param_index_map = dict(shuffled)
+    check_all()
+    buffer.param_index_map[victim] = [start, end, bucket_id]  # not a tuple: the plain pass answers
+    check_all()
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_megatron_range_builders_with_and_without_patch(megatron_cpu, seed):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -701,3 +760,37 @@ def test_materialize_is_device_generic():
     assert meta.grad_data.shape == cpu.grad_data.shape and meta.param_data.dtype == torch.bfloat16
     for a, b in zip(meta.grad_views + meta.param_views, cpu.grad_views + cpu.param_views):
         assert a.device.type == "meta" and a.shape == b.shape and a.storage_offset() == b.storage_offset()
+
+
+def test_quantized_storage_test_skipped_only_when_provably_false(monkeypatch):
+    """Without Transformer Engine megatron's quantized-storage test is False for every param and the
+    drop-ins skip it; a stand-in (monkeypatched, as with TE's classes present) is called per param."""
+    from megatron.core import fp8_utils
+
+    assert buckets._quantized_storage_check(buckets._quantized_predicates()) is None
+    monkeypatch.setattr(fp8_utils, "is_float8tensor", lambda t: getattr(t, "_fp8", False))
+    check = buckets._quantized_storage_check(buckets._quantized_predicates())
+    assert check is not None
+    param = torch.nn.Parameter(torch.zeros(3))
+    param._fp8 = True
+    assert check(param) and list(buckets.group_params_for_buffers([param], False))[0].param_dtype == torch.uint8
+
+
+def test_full_layout_sizes_params_as_upstream_does():
+    """Upstream sizes a param by ``param.data.nelement()``: an attribute shadowing ``nelement`` on the
+    param itself changes nothing, for plain Parameters and subclasses alike."""
+
+    class Tagged(torch.nn.Parameter):
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(100)), Tagged(torch.zeros(30)), torch.nn.Parameter(torch.zeros(7))]
+    for p in params:
+        p.nelement = lambda: 1
+    config = types.SimpleNamespace(grad_reduce_in_fp32=False, pad_buckets_for_high_nccl_busbw=False)
+    full = buckets.compute_full_param_layout(params, None, 2, config)
+    (layout,) = full.layouts.values()
+    assert [layout.param_index_map[p] for p in params] == [(128, 228, 0), (64, 94, 0), (0, 7, 0)]
+    per_buffer = buckets.compute_per_buffer_param_layout(params, None, 2, config)
+    assert list(per_buffer.param_index_map.items()) == list(layout.param_index_map.items())
+    default = buckets.compute_default_per_buffer_param_layout(params, None)
+    assert [default.param_index_map[p] for p in params] == [(37, 137, 0), (7, 37, 0), (0, 7, 0)]

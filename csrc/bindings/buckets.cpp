@@ -1,5 +1,7 @@
 // Bindings for gradient-bucket planning: arrays in, zero-copy NumPy arrays out, plus a direct
 // reader of Megatron's param_index_map dict for the range-map drop-in.
+#include <algorithm>
+#include <array>
 #include <optional>
 #include <string>
 #include <utility>
@@ -132,6 +134,345 @@ py::dict param_range_map(const py::dict& param_world_index_map, int64_t world_st
   return out;
 }
 
+// getattr(obj, name, default) without building the AttributeError: 1 found, 0 missing, -1 error.
+int lookup_attr(PyObject* obj, PyObject* name, PyObject** out) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return PyObject_GetOptionalAttr(obj, name, out);
+#else
+  return _PyObject_LookupAttr(obj, name, out);
+#endif
+}
+
+// Thrown inside the readers below to hand the call back to the Python path, which reproduces
+// upstream's result or error exactly (a param it cannot read, an assert, a raising predicate).
+struct Irregular {};
+
+py::object steal_or_irregular(PyObject* value) {
+  if (value == nullptr) {
+    PyErr_Clear();
+    throw Irregular{};
+  }
+  return py::reinterpret_steal<py::object>(value);
+}
+
+bool truth_or_irregular(PyObject* value) {
+  const int truth = PyObject_IsTrue(value);
+  if (truth < 0) {
+    PyErr_Clear();
+    throw Irregular{};
+  }
+  return truth == 1;
+}
+
+py::object optional_attr(PyObject* obj, PyObject* name) {
+  PyObject* value = nullptr;
+  const int found = lookup_attr(obj, name, &value);
+  if (found < 0) {
+    PyErr_Clear();
+    throw Irregular{};
+  }
+  return found == 1 ? py::reinterpret_steal<py::object>(value) : py::object();
+}
+
+// Dict key -> dense index, with a pointer-identity shortcut for the previous key (params of one
+// buffer come in runs); identical elements make equal tuples, so the dict agrees with the shortcut.
+struct KeyIndex {
+  py::dict index;
+  py::tuple last;  // holds its elements, so the pointer compares below never meet a reused address
+  int64_t last_id = -1;
+
+  int64_t find(PyObject* a, PyObject* b, PyObject* c, PyObject* d, bool* created) {
+    *created = false;
+    if (last_id >= 0) {
+      PyObject* const* held = &PyTuple_GET_ITEM(last.ptr(), 0);
+      if (held[0] == a && held[1] == b && held[2] == c && held[3] == d) return last_id;
+    }
+    py::tuple key = py::make_tuple(py::handle(a), py::handle(b), py::handle(c), py::handle(d));
+    PyObject* found = PyDict_GetItemWithError(index.ptr(), key.ptr());
+    int64_t id;
+    if (found != nullptr) {
+      id = PyLong_AsLongLong(found);
+    } else {
+      if (PyErr_Occurred()) {
+        PyErr_Clear();
+        throw Irregular{};
+      }
+      id = static_cast<int64_t>(PyDict_GET_SIZE(index.ptr()));
+      if (PyDict_SetItem(index.ptr(), key.ptr(), py::int_(id).ptr()) != 0) {
+        PyErr_Clear();
+        throw Irregular{};
+      }
+      *created = true;
+    }
+    last = std::move(key);
+    last_id = id;
+    return id;
+  }
+};
+
+// group_params_for_buffers in one native pass: per param requires_grad, dtype, the quantized-storage
+// predicate (None: known false for every param), allreduce, the layer-wise flag and, for layouts,
+// numel and shared_embedding. Returns [(key, params, param_indices, numels, shared)] in first-seen
+// key order, or None where the Python path must run.
+py::object group_params(const py::list& params, bool grad_reduce_in_fp32, const py::object& fp32,
+                        const py::object& uint8, const py::object& quantized, const py::object& parameter_type,
+                        const py::object& tensor_nelement, bool layout_inputs) {
+  static PyObject* s_requires_grad = PyUnicode_InternFromString("requires_grad");
+  static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
+  static PyObject* s_allreduce = PyUnicode_InternFromString("allreduce");
+  static PyObject* s_layer_wise = PyUnicode_InternFromString("is_managed_by_layer_wise_optimizer");
+  static PyObject* s_shared = PyUnicode_InternFromString("shared_embedding");
+  static PyObject* s_data = PyUnicode_InternFromString("data");
+  static PyObject* s_nelement = PyUnicode_InternFromString("nelement");
+  struct Group {
+    py::object key;
+    py::list members;
+    std::vector<int64_t> indices, numels;
+    std::vector<uint8_t> shared;
+  };
+  // A snapshot: predicates run Python code that could edit the list.
+  py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(params.ptr()));
+  if (!items) throw py::error_already_set();
+  std::vector<Group> groups;
+  std::vector<int64_t> fake_counts;
+  KeyIndex keys, fake_keys;
+  PyObject* exact_parameter = parameter_type.ptr();
+  try {
+    const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* param = PyTuple_GET_ITEM(items.ptr(), i);
+      if (!truth_or_irregular(steal_or_irregular(PyObject_GetAttr(param, s_requires_grad)).ptr())) throw Irregular{};
+      py::object dtype = steal_or_irregular(PyObject_GetAttr(param, s_dtype));
+      PyObject* storage = dtype.ptr();
+      if (!quantized.is_none() &&
+          truth_or_irregular(steal_or_irregular(PyObject_CallOneArg(quantized.ptr(), param)).ptr())) {
+        storage = uint8.ptr();
+      }
+      PyObject* grad = grad_reduce_in_fp32 ? fp32.ptr() : dtype.ptr();
+      py::object allreduce = optional_attr(param, s_allreduce);
+      bool is_expert = false;
+      if (allreduce) is_expert = !truth_or_irregular(allreduce.ptr());
+      PyObject* expert_flag = is_expert ? Py_True : Py_False;
+      py::object layer_wise = optional_attr(param, s_layer_wise);
+      PyObject* layer_wise_flag = layer_wise ? layer_wise.ptr() : Py_False;
+      bool created = false;
+      const int64_t g = keys.find(storage, grad, expert_flag, layer_wise_flag, &created);
+      if (created) groups.push_back({py::make_tuple(py::handle(storage), py::handle(grad), py::handle(expert_flag),
+                                                    py::handle(layer_wise_flag)),
+                                     py::list(), {}, {}, {}});
+      // param_indices count under the fake (high-precision) dtype
+      const int64_t f = fake_keys.find(dtype.ptr(), grad, expert_flag, layer_wise_flag, &created);
+      if (created) fake_counts.push_back(0);
+      Group& group = groups[static_cast<size_t>(g)];
+      if (PyList_Append(group.members.ptr(), param) != 0) throw py::error_already_set();
+      group.indices.push_back(fake_counts[static_cast<size_t>(f)]++);
+      if (layout_inputs) {
+        // upstream reads param.data.nelement(): for a plain Parameter that is torch.Tensor's nelement
+        // (the caller's tensor_nelement) applied to the same sizes, so apply it to the param itself
+        py::object numel;
+        if (Py_TYPE(param) == reinterpret_cast<PyTypeObject*>(exact_parameter) && !tensor_nelement.is_none()) {
+          numel = steal_or_irregular(PyObject_CallOneArg(tensor_nelement.ptr(), param));
+        } else {
+          py::object data = steal_or_irregular(PyObject_GetAttr(param, s_data));
+          numel = steal_or_irregular(PyObject_CallMethodNoArgs(data.ptr(), s_nelement));
+        }
+        const long long value = PyLong_AsLongLong(numel.ptr());
+        if (value == -1 && PyErr_Occurred()) {
+          PyErr_Clear();
+          throw Irregular{};
+        }
+        group.numels.push_back(value);
+        py::object shared = optional_attr(param, s_shared);
+        group.shared.push_back(shared && truth_or_irregular(shared.ptr()) ? 1 : 0);
+      }
+    }
+  } catch (const Irregular&) {
+    return py::none();
+  }
+  py::list out;
+  for (auto& group : groups) {
+    py::list indices(group.indices.size());
+    for (size_t k = 0; k < group.indices.size(); ++k) {
+      PyList_SET_ITEM(indices.ptr(), static_cast<Py_ssize_t>(k), PyLong_FromLongLong(group.indices[k]));
+    }
+    py::object numels = py::none(), shared = py::none();
+    if (layout_inputs) {
+      numels = to_numpy(std::move(group.numels));
+      shared = to_numpy(std::move(group.shared));
+    }
+    out.append(py::make_tuple(group.key, group.members, indices, numels, shared));
+  }
+  return out;
+}
+
+// Megatron's param_index_map {param: (start, end, bucket_id)} in layout (reverse model) order.
+// Params of id_hash_type hash as id(param) (torch.Tensor.__hash__, checked by the caller): the
+// dict takes that hash directly instead of calling the Python-level __hash__ per param.
+py::dict index_map(const py::list& params, const CArray<int64_t>& param_start, const CArray<int64_t>& param_end,
+                   const CArray<int64_t>& bucket_id, const py::object& id_hash_type) {
+  const auto starts = span_1d(param_start, "param_start");
+  const auto ends = span_1d(param_end, "param_end");
+  const auto ids = span_1d(bucket_id, "bucket_id");
+  const auto n = static_cast<size_t>(PyList_GET_SIZE(params.ptr()));
+  if (starts.size() != n || ends.size() != n || ids.size() != n) {
+    throw py::value_error("param_start, param_end and bucket_id must have one entry per param");
+  }
+#if PY_VERSION_HEX < 0x030D0000
+  // sized once: no rehash while it grows to n entries
+  py::dict out = py::reinterpret_steal<py::dict>(_PyDict_NewPresized(static_cast<Py_ssize_t>(n)));
+  if (!out) throw py::error_already_set();
+#else
+  py::dict out;
+#endif
+  PyTypeObject* fast_type =
+      id_hash_type.is_none() ? nullptr : reinterpret_cast<PyTypeObject*>(id_hash_type.ptr());
+  py::object last_end, last_bucket;
+  int64_t last_end_value = 0, last_bucket_value = 0;
+  for (size_t k = n; k-- > 0;) {
+    PyObject* param = PyList_GET_ITEM(params.ptr(), static_cast<Py_ssize_t>(k));
+    py::object value = py::reinterpret_steal<py::object>(PyTuple_New(3));
+    if (!value) throw py::error_already_set();
+    // A param usually starts where the previous one ended, in the previous one's bucket: share those ints.
+    PyObject* start = starts[k] == last_end_value && last_end ? last_end.inc_ref().ptr() : PyLong_FromLongLong(starts[k]);
+    PyObject* end = PyLong_FromLongLong(ends[k]);
+    PyObject* bucket = ids[k] == last_bucket_value && last_bucket ? last_bucket.inc_ref().ptr() : PyLong_FromLongLong(ids[k]);
+    PyTuple_SET_ITEM(value.ptr(), 0, start);
+    PyTuple_SET_ITEM(value.ptr(), 1, end);
+    PyTuple_SET_ITEM(value.ptr(), 2, bucket);
+    if (start == nullptr || end == nullptr || bucket == nullptr) throw py::error_already_set();
+    // A tuple of ints holds no references the cycle collector must follow; CPython untracks such
+    // tuples itself at their first collection, doing it now spares the collections 45k entries.
+    PyObject_GC_UnTrack(value.ptr());
+    last_end = py::reinterpret_borrow<py::object>(end);
+    last_end_value = ends[k];
+    last_bucket = py::reinterpret_borrow<py::object>(bucket);
+    last_bucket_value = ids[k];
+    int rc;
+#if PY_VERSION_HEX < 0x030D0000
+    if (fast_type != nullptr && Py_TYPE(param) == fast_type) {
+      // what slot_tp_hash makes of id(param): the address as a Py_ssize_t (-1 is reserved)
+      Py_hash_t hash = static_cast<Py_hash_t>(reinterpret_cast<intptr_t>(param));
+      if (hash == -1) hash = -2;
+      rc = _PyDict_SetItem_KnownHash(out.ptr(), param, value.ptr(), hash);
+    } else {
+      rc = PyDict_SetItem(out.ptr(), param, value.ptr());
+    }
+#else
+    (void)fast_type;
+    rc = PyDict_SetItem(out.ptr(), param, value.ptr());
+#endif
+    if (rc != 0) throw py::error_already_set();
+  }
+  return out;
+}
+
+// The dict's modification tag (PEP 509: changes on every insert, delete or value store; unique
+// across dicts); 0 where this Python has none.
+unsigned long long dict_version(PyObject* dict) {
+#if PY_VERSION_HEX < 0x030C0000
+  return static_cast<unsigned long long>(reinterpret_cast<PyDictObject*>(dict)->ma_version_tag);
+#else
+  (void)dict;
+  return 0;
+#endif
+}
+
+// A snapshot of a param_index_map for repeated range-map calls: (keys, values, starts, ends,
+// running max of ends, starts_sorted, version), or None unless every value is an exact (int, int, int).
+py::object index_snapshot(const py::dict& param_world_index_map) {
+  const Py_ssize_t n = PyDict_GET_SIZE(param_world_index_map.ptr());
+  py::tuple keys(n), values(n);
+  std::vector<int64_t> starts, ends, max_end;
+  starts.reserve(static_cast<size_t>(n));
+  ends.reserve(static_cast<size_t>(n));
+  max_end.reserve(static_cast<size_t>(n));
+  bool sorted = true;
+  PyObject *key = nullptr, *value = nullptr;
+  Py_ssize_t pos = 0, i = 0;
+  while (PyDict_Next(param_world_index_map.ptr(), &pos, &key, &value)) {
+    if (i >= n || !PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 3) return py::none();
+    int64_t triple[3];
+    for (int j = 0; j < 3; ++j) {
+      PyObject* item = PyTuple_GET_ITEM(value, j);
+      if (!PyLong_CheckExact(item)) return py::none();
+      int overflow = 0;
+      triple[j] = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0 || (triple[j] == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return py::none();
+      }
+    }
+    if (!starts.empty() && triple[0] < starts.back()) sorted = false;
+    starts.push_back(triple[0]);
+    ends.push_back(triple[1]);
+    max_end.push_back(max_end.empty() ? triple[1] : std::max(max_end.back(), triple[1]));
+    Py_INCREF(key);
+    PyTuple_SET_ITEM(keys.ptr(), i, key);
+    Py_INCREF(value);
+    PyTuple_SET_ITEM(values.ptr(), i, value);
+    ++i;
+  }
+  if (i != n) return py::none();
+  return py::make_tuple(keys, values, to_numpy(std::move(starts)), to_numpy(std::move(ends)),
+                        to_numpy(std::move(max_end)), sorted, dict_version(param_world_index_map.ptr()));
+}
+
+// _build_model_gbuf_param_range_map from a snapshot: checks the dict still holds the very same key
+// and value objects in the same order (pointer compares; the snapshot keeps them alive, so an
+// address cannot be reused), then visits only entries that can overlap the range. None when stale.
+py::object param_range_map_indexed(const py::dict& param_world_index_map, const py::tuple& keys,
+                                   const py::tuple& values, const CArray<int64_t>& param_start,
+                                   const CArray<int64_t>& param_end, const CArray<int64_t>& max_end,
+                                   bool starts_sorted, unsigned long long version, int64_t world_start,
+                                   int64_t world_end,
+                                   int64_t bucket_offset, const py::object& range_type) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(keys.ptr());
+  const auto starts = span_1d(param_start, "param_start");
+  const auto ends = span_1d(param_end, "param_end");
+  const auto running_max = span_1d(max_end, "max_end");
+  if (PyTuple_GET_SIZE(values.ptr()) != n || starts.size() != static_cast<size_t>(n) ||
+      ends.size() != static_cast<size_t>(n) || running_max.size() != static_cast<size_t>(n)) {
+    throw py::value_error("snapshot arrays must have one entry per key");
+  }
+  if (PyDict_GET_SIZE(param_world_index_map.ptr()) != n) return py::none();
+  if (version == 0 || dict_version(param_world_index_map.ptr()) != version) {
+    PyObject *key = nullptr, *value = nullptr;
+    Py_ssize_t pos = 0, i = 0;
+    while (PyDict_Next(param_world_index_map.ptr(), &pos, &key, &value)) {
+      if (i >= n || key != PyTuple_GET_ITEM(keys.ptr(), i) || value != PyTuple_GET_ITEM(values.ptr(), i)) {
+        return py::none();
+      }
+      ++i;
+    }
+    if (i != n) return py::none();
+  }
+  // Entries before lo end at or before world_start; entries from hi on (sorted starts) start at or
+  // after world_end: neither can overlap.
+  const auto lo = static_cast<size_t>(
+      std::upper_bound(running_max.begin(), running_max.end(), world_start) - running_max.begin());
+  const auto hi = starts_sorted ? static_cast<size_t>(std::lower_bound(starts.begin(), starts.end(), world_end) -
+                                                      starts.begin())
+                                : static_cast<size_t>(n);
+  const int64_t world_size = world_end - world_start;
+  const py::str gbuf_world("gbuf_world"), in_bucket("gbuf_world_in_bucket"), gbuf_local("gbuf_local"),
+      param_key("param");
+  py::dict out;
+  for (size_t i = lo; i < hi; ++i) {
+    const int64_t local_start = std::max<int64_t>(0, starts[i] - world_start);
+    const int64_t local_end = std::min(world_size, ends[i] - world_start);
+    if (local_end <= local_start) continue;
+    const int64_t size = local_end - local_start;
+    const int64_t sub_start = std::max<int64_t>(0, world_start - starts[i]);
+    py::dict ranges;
+    ranges[gbuf_world] = range_type(local_start + world_start, local_end + world_start);
+    ranges[in_bucket] = range_type(local_start + world_start - bucket_offset, local_end + world_start - bucket_offset);
+    ranges[gbuf_local] = range_type(local_start, local_end);
+    ranges[param_key] = range_type(sub_start, sub_start + size);
+    out[py::handle(PyTuple_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i)))] = std::move(ranges);
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_buckets(py::module_& m) {
@@ -152,6 +493,22 @@ void register_buckets(py::module_& m) {
   m.def("buckets_param_range_map", &param_range_map, py::arg("param_world_index_map"), py::arg("world_start"),
         py::arg("world_end"), py::arg("bucket_offset"), py::arg("range_type"),
         "Megatron's _build_model_gbuf_param_range_map: {param: {name: Range}} for owned params.");
+  m.def("buckets_group_params", &group_params, py::arg("params"), py::arg("grad_reduce_in_fp32"), py::arg("fp32"),
+        py::arg("uint8"), py::arg("quantized"), py::arg("parameter_type"), py::arg("tensor_nelement"),
+        py::arg("layout_inputs"),
+        "group_params_for_buffers in one pass: [(key, params, param_indices, numels, shared)], or None where "
+        "the Python path must run.");
+  m.def("buckets_index_map", &index_map, py::arg("params"), py::arg("param_start").noconvert(),
+        py::arg("param_end").noconvert(), py::arg("bucket_id").noconvert(), py::arg("id_hash_type"),
+        "Megatron's param_index_map {param: (start, end, bucket_id)} in reverse (layout) order.");
+  m.def("buckets_index_snapshot", &index_snapshot, py::arg("param_world_index_map"),
+        "(keys, values, starts, ends, max_end, starts_sorted, version) of a param_index_map, or None.");
+  m.def("buckets_param_range_map_indexed", &param_range_map_indexed, py::arg("param_world_index_map"),
+        py::arg("keys"), py::arg("values"), py::arg("param_start").noconvert(), py::arg("param_end").noconvert(),
+        py::arg("max_end").noconvert(), py::arg("starts_sorted"), py::arg("version"), py::arg("world_start"),
+        py::arg("world_end"),
+        py::arg("bucket_offset"), py::arg("range_type"),
+        "_build_model_gbuf_param_range_map from a snapshot; None when the dict changed since.");
 }
 
 }  // namespace trainfast::bindings

@@ -46,6 +46,20 @@ def buckets_partition(
 def buckets_param_range_map(
     param_world_index_map: dict[Any, Any], world_start: int, world_end: int, bucket_offset: int, range_type: Any
 ) -> dict[Any, dict[str, Any]]: ...
+def buckets_group_params(
+    params: list[Any], grad_reduce_in_fp32: bool, fp32: Any, uint8: Any, quantized: Any, parameter_type: Any,
+    tensor_nelement: Any, layout_inputs: bool,
+) -> list[tuple[tuple[Any, Any, bool, Any], list[Any], list[int], Any, Any]] | None: ...
+def buckets_index_map(
+    params: list[Any], param_start: npt.NDArray[np.int64], param_end: npt.NDArray[np.int64],
+    bucket_id: npt.NDArray[np.int64], id_hash_type: Any,
+) -> dict[Any, tuple[int, int, int]]: ...
+def buckets_index_snapshot(param_world_index_map: dict[Any, Any]) -> tuple[Any, ...] | None: ...
+def buckets_param_range_map_indexed(
+    param_world_index_map: dict[Any, Any], keys: tuple[Any, ...], values: tuple[Any, ...],
+    param_start: npt.NDArray[np.int64], param_end: npt.NDArray[np.int64], max_end: npt.NDArray[np.int64],
+    starts_sorted: bool, version: int, world_start: int, world_end: int, bucket_offset: int, range_type: Any,
+) -> dict[Any, dict[str, Any]] | None: ...
 # --- pipeline (csrc/bindings/pipeline.cpp) ---
 def pipeline_megatron_plan(
     num_layers: int, pp: int, vpp: int | None, first: int | None, last: int | None,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -402,6 +403,62 @@ def _quantized_predicates() -> list:
     return predicates
 
 
+def _genuine(function: Any, module: Any, name: str, first_global: str | None = None) -> bool:
+    """``function`` is ``module.name`` as megatron-core defines it (not a stand-in), and its first
+    global read is ``first_global``."""
+    code = getattr(function, "__code__", None)
+    return (
+        function is getattr(module, name, None)
+        and getattr(function, "__module__", None) == module.__name__
+        and getattr(function, "__qualname__", None) == name
+        and code is not None
+        and (first_global is None or code.co_names[:1] == (first_global,))
+    )
+
+
+def _quantized_storage_check(predicates: list) -> Any:
+    """The predicate to call per param, or None where upstream's test is False for every param:
+    without Transformer Engine each of megatron's checks opens with ``HAVE_TE_... and`` on a False
+    flag. Stand-ins (monkeypatched checks, TE present, another release's body) are called per param."""
+    if not predicates:
+        return None
+    call = predicates[0] if len(predicates) == 1 else (lambda p: any(pred(p) for pred in predicates))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core import fp4_utils, fp8_utils
+            from megatron.core.distributed import param_and_grad_buffer as pgb
+    except ImportError:
+        return call
+    fp8_flag = "HAVE_TE_FP8_TENSOR_CLASS"
+    fp4_flag = "HAVE_TE_FP4_TENSOR_CLASS"
+    grouped_flag = "HAVE_TE_GROUPED_TENSOR_CLASS"
+    if getattr(fp8_utils, fp8_flag, True) is not False or getattr(fp4_utils, fp4_flag, True) is not False:
+        return call
+    fp8_check = _genuine(fp8_utils.is_float8tensor, fp8_utils, "is_float8tensor", fp8_flag)
+    fp4_check = _genuine(getattr(fp4_utils, "is_nvfp4tensor", None), fp4_utils, "is_nvfp4tensor", fp4_flag)
+    if len(predicates) == 1:
+        combined = predicates[0]
+        names = ("is_float8tensor", "is_nvfp4tensor", "is_grouped_tensor_with_quantized_storage")
+        grouped = getattr(fp8_utils, "is_grouped_tensor_with_quantized_storage", None)
+        known = (
+            _genuine(combined, pgb, "_param_uses_quantized_storage")
+            and combined.__code__.co_names == names
+            and pgb.is_float8tensor is fp8_utils.is_float8tensor and fp8_check
+            and getattr(pgb, "is_nvfp4tensor", None) is fp4_utils.is_nvfp4tensor and fp4_check
+            and getattr(pgb, names[2], None) is grouped
+            and _genuine(grouped, fp8_utils, names[2], "_unwrap_parameter_data")
+            and grouped.__code__.co_names[:2] == ("_unwrap_parameter_data", "is_grouped_tensor")
+            and _genuine(fp8_utils._unwrap_parameter_data, fp8_utils, "_unwrap_parameter_data", grouped_flag)
+            and _genuine(fp8_utils.is_grouped_tensor, fp8_utils, "is_grouped_tensor", grouped_flag)
+            and getattr(fp8_utils, grouped_flag, True) is False
+        )
+    else:
+        known = len(predicates) == 2 and predicates[0] is fp8_utils.is_float8tensor and fp8_check and (
+            predicates[1] is getattr(fp4_utils, "is_nvfp4tensor", None) and fp4_check)
+    return None if known else call
+
+
 def _param_list(params: Any) -> list:
     if isinstance(params, list):
         return params
@@ -419,9 +476,13 @@ def _numel_reader() -> Any:
     import torch
 
     parameter_type = torch.nn.Parameter
+    tensor_nelement = torch.Tensor.nelement
+    if tensor_nelement is not getattr(torch._C.TensorBase, "nelement", None):
+        return lambda param: param.data.nelement()
 
     def numel(param: Any) -> int:
-        return param.nelement() if type(param) is parameter_type else param.data.nelement()
+        # torch.Tensor.nelement on the param itself: an attribute on the param cannot shadow it
+        return tensor_nelement(param) if type(param) is parameter_type else param.data.nelement()
 
     return numel
 
@@ -450,6 +511,19 @@ def _group_params(param_list: list, grad_reduce_in_fp32: bool, layout_inputs: bo
     import torch
 
     predicates = _quantized_predicates()
+    check = _quantized_storage_check(predicates)
+    # torch.Tensor.nelement, what upstream's param.data.nelement() runs, while it is torch's own method
+    nelement = torch.Tensor.nelement
+    if nelement is not getattr(torch._C.TensorBase, "nelement", None) or (
+            type(nelement).__name__ != "method_descriptor"):
+        nelement = None
+    native = _core.buckets_group_params(
+        param_list, bool(grad_reduce_in_fp32), torch.float, torch.uint8, check, torch.nn.Parameter, nelement,
+        layout_inputs,
+    )
+    if native is not None:
+        return {_make_key(*key): (members, indices, numels, shared) for key, members, indices, numels, shared in native}
+    # The reference path: reproduces upstream's errors (and the result) where the native pass gave up.
     quantized = predicates[0] if len(predicates) == 1 else (lambda p: any(pred(p) for pred in predicates))
     numel = _numel_reader()
     uint8, fp32 = torch.uint8, torch.float
@@ -490,12 +564,33 @@ def _make_key(param_dtype: Any, grad_dtype: Any, is_expert: bool, layer_wise: An
     return key_type(param_dtype, grad_dtype, is_expert)
 
 
+def _id_hashed_parameter_type() -> Any:
+    """torch.nn.Parameter while its hash is torch.Tensor's ``id(self)`` (the native dict build then
+    skips the Python-level ``__hash__`` call per param); None otherwise."""
+    import builtins
+
+    import torch
+
+    tensor_hash = torch.Tensor.__hash__
+    code = getattr(tensor_hash, "__code__", None)
+    if (
+        torch.nn.Parameter.__hash__ is tensor_hash
+        and code is not None
+        and code.co_names == ("id",)
+        and getattr(torch._tensor, "id", builtins.id) is builtins.id
+        and type(builtins.id).__name__ == "builtin_function_or_method"
+        and getattr(builtins.id, "__module__", None) == "builtins"
+    ):
+        return torch.nn.Parameter
+    return None
+
+
 def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any, num_optimizer_shards: Any = None) -> Any:
     # Megatron's dict iterates in layout (reverse model) order.
-    starts = layout.param_start.tolist()
-    ends = layout.param_end.tolist()
-    ids = layout.bucket_id.tolist()
-    index_map = dict(zip(reversed(params), zip(reversed(starts), reversed(ends), reversed(ids))))
+    index_map = _core.buckets_index_map(
+        params if isinstance(params, list) else list(params), layout.param_start.numpy(), layout.param_end.numpy(),
+        layout.bucket_id.numpy(), _id_hashed_parameter_type(),
+    )
     return _dataclasses()[1](
         param_index_map=index_map,
         bucket_indices=[tuple(pair) for pair in layout.bucket_indices.tolist()],
@@ -611,6 +706,14 @@ def partition_buckets(
                 raise UpstreamAssertionError(
                     "force_single_bucket_group needs every buffer to share ddp_config and data-parallel group"
                 )
+    if not force_single_bucket_group and not flags.any():
+        # One group per bucket, each built with its own buffer's settings: building the groups is all the
+        # work (upstream's constructor, one per bucket), so no index arrays in between.
+        groups = []
+        for buffer in buffer_list:
+            config, group, size = buffer.ddp_config, buffer.data_parallel_group, buffer.data_parallel_world_size
+            groups.extend([_ParamAndGradBucketGroup([bucket], config, group, size) for bucket in buffer.buckets])
+        return groups
     counts = np.fromiter((len(b.buckets) for b in buffer_list), dtype=np.int64, count=len(buffer_list))
     offsets, pairs = _core.buckets_partition(
         flags, counts, bool(force_single_bucket_group), bool(reduce_scatter_with_fp32_accumulation)
@@ -669,9 +772,47 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
         raise UpstreamAssertionError(f"Each bucket's buffer size should be divisible by {world}")
     shard = size // world
     start = rank * shard
-    world_range = _range_type()(start + bucket.offset, min(size, start + shard) + bucket.offset)
+    range_type = _range_type()
+    world_range = range_type(start + bucket.offset, min(size, start + shard) + bucket.offset)
     build = cls._build_model_gbuf_param_range_map if cls is not None else build_model_gbuf_param_range_map
+    if cls is None or getattr(getattr(build, "__func__", None), "_trainfast_range_map", False):
+        param_map = _indexed_range_map(param_and_grad_buffer, world_range, bucket.offset, range_type)
+        if param_map is not None:
+            return {"param_map": param_map}
     return {"param_map": build(param_and_grad_buffer.param_index_map, world_range, bucket.offset)}
+
+
+# buffer -> (its param_index_map, a snapshot of it): the range builder runs once per (rank, bucket)
+# on the same map; the snapshot is re-checked against the dict on every call.
+_SNAPSHOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _indexed_range_map(buffer: Any, world_range: Any, bucket_offset: Any, range_type: Any) -> dict | None:
+    """build_model_gbuf_param_range_map through a snapshot of ``buffer.param_index_map`` (visits only
+    the params that can overlap the range); None where the plain path must run."""
+    index_map = buffer.param_index_map
+    if type(index_map) is not dict:
+        return None
+    start, end, offset = int(world_range.start), int(world_range.end), int(bucket_offset)
+    for _ in range(2):
+        try:
+            cached = _SNAPSHOTS.get(buffer)
+        except TypeError:  # not weak-referenceable or unhashable: no cache
+            return None
+        if cached is None or cached[0] is not index_map:
+            snapshot = _core.buckets_index_snapshot(index_map)
+            if snapshot is None:
+                return None
+            cached = (index_map, snapshot)
+            try:
+                _SNAPSHOTS[buffer] = cached
+            except TypeError:
+                return None
+        result = _core.buckets_param_range_map_indexed(index_map, *cached[1], start, end, offset, range_type)
+        if result is not None:
+            return result
+        _SNAPSHOTS.pop(buffer, None)  # the dict changed since: snapshot it again
+    return None
 
 
 def _range_type() -> Any:

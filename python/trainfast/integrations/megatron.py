@@ -100,6 +100,8 @@ def _build_model_gbuf_param_range_map(original):
     def replacement(cls, param_world_index_map, gbuf_world_range, bucket_offset):
         return build_model_gbuf_param_range_map(param_world_index_map, gbuf_world_range, bucket_offset)
 
+    # the range builder may then answer through its cached index of the map (same result)
+    replacement._trainfast_range_map = True
     return replacement
 
 
