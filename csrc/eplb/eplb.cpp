@@ -243,6 +243,7 @@ inline uint64_t float_pack_key(float load, bool full, int64_t pack) {
 // Scratch of the interleaved packer, reused across rows of one thread.
 struct FloatPackScratch {
   int64_t num_packs = -1;              // initial_tree is built for this many packs
+  bool non_negative_keys = false;      // ... and this key encoding
   std::vector<uint64_t> initial_tree;  // the tree of empty packs, copied into each row's tree
   std::vector<uint64_t> tree;
   std::vector<int64_t> count;
@@ -250,18 +251,14 @@ struct FloatPackScratch {
   std::vector<uint8_t> seen;
 };
 
-// Greedy balanced packing of R rows at once (row r at offset r * n of every array). Each item's
-// step (pick the lightest pack, add the load, replay its root path) depends on the previous item
-// of its row only, so the R rows' chains overlap in the CPU. Rows of `order` must be permutations
-// of 0..n-1: checked on the way (`order_name` names it in the error).
+// Resets R rows' min-trees of empty packs (leaves padded to a power of two), their pack counts and
+// loads; returns the leaf count.
 template <int R, bool kNonNegative>
-void pack_rows_float(const float* weight, const int64_t* order, int64_t n, int64_t num_packs,
-                     int64_t* pack_index, int64_t* rank_in_pack, FloatPackScratch& scratch,
-                     const char* order_name) {
-  const int64_t capacity = n / num_packs;
+int64_t reset_pack_trees(int64_t num_packs, FloatPackScratch& scratch) {
   const int64_t size = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(num_packs)));
-  if (scratch.num_packs != num_packs) {
+  if (scratch.num_packs != num_packs || scratch.non_negative_keys != kNonNegative) {
     scratch.num_packs = num_packs;
+    scratch.non_negative_keys = kNonNegative;
     scratch.initial_tree.assign(2 * size, ~uint64_t{0});  // padding leaves never win
     for (int64_t p = 0; p < num_packs; ++p) scratch.initial_tree[size + p] = float_pack_key<kNonNegative>(0.0f, false, p);
     for (int64_t pos = size - 1; pos >= 1; --pos) {
@@ -274,6 +271,19 @@ void pack_rows_float(const float* weight, const int64_t* order, int64_t n, int64
   }
   scratch.count.assign(R * num_packs, 0);
   scratch.load.assign(R * num_packs, 0.0f);
+  return size;
+}
+
+// Greedy balanced packing of R rows at once (row r at offset r * n of every array). Each item's
+// step (pick the lightest pack, add the load, replay its root path) depends on the previous item
+// of its row only, so the R rows' chains overlap in the CPU. Rows of `order` must be permutations
+// of 0..n-1: checked on the way (`order_name` names it in the error).
+template <int R, bool kNonNegative>
+void pack_rows_float(const float* weight, const int64_t* order, int64_t n, int64_t num_packs,
+                     int64_t* pack_index, int64_t* rank_in_pack, FloatPackScratch& scratch,
+                     const char* order_name) {
+  const int64_t capacity = n / num_packs;
+  const int64_t size = reset_pack_trees<R, kNonNegative>(num_packs, scratch);
   std::fill(pack_index, pack_index + R * n, int64_t{-1});
   uint64_t* const trees = scratch.tree.data();
   int64_t* const counts = scratch.count.data();
@@ -319,21 +329,7 @@ template <int R>
 void place_rows(const float* loads, const int64_t* order, const int32_t* phy2mlog, const int32_t* phy_rank,
                 int64_t n, int64_t num_packs, const RowSlots* rows, FloatPackScratch& scratch) {
   const int64_t capacity = n / num_packs;
-  const int64_t size = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(num_packs)));
-  if (scratch.num_packs != num_packs) {
-    scratch.num_packs = num_packs;
-    scratch.initial_tree.assign(2 * size, ~uint64_t{0});  // padding leaves never win
-    for (int64_t p = 0; p < num_packs; ++p) scratch.initial_tree[size + p] = float_pack_key<true>(0.0f, false, p);
-    for (int64_t pos = size - 1; pos >= 1; --pos) {
-      scratch.initial_tree[pos] = std::min(scratch.initial_tree[2 * pos], scratch.initial_tree[2 * pos + 1]);
-    }
-  }
-  scratch.tree.resize(R * 2 * size);
-  for (int r = 0; r < R; ++r) {
-    std::copy(scratch.initial_tree.begin(), scratch.initial_tree.end(), scratch.tree.begin() + r * 2 * size);
-  }
-  scratch.count.assign(R * num_packs, 0);
-  scratch.load.assign(R * num_packs, 0.0f);
+  const int64_t size = reset_pack_trees<R, true>(num_packs, scratch);
   scratch.seen.assign(R * n, 0);
   uint64_t* const trees = scratch.tree.data();
   int64_t* const counts = scratch.count.data();
