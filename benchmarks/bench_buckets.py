@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.reference
 from _common import fmt_seconds, markdown_table, parse_args, timeit, write_section  # noqa: E402
 
 from tests.reference import buckets as ref  # noqa: E402
+from tests.reference.buckets import FakeGroup  # noqa: E402
 from trainfast import buckets  # noqa: E402
 from trainfast.cli.buckets import deepseek_v3_spec  # noqa: E402
 
@@ -43,17 +44,6 @@ def oracle_groups(layouts):
 
 def oracle_ranges(layouts, dp):
     return {name: ref.shard_ranges(*layout[:4], dp) for name, layout in layouts.items()}
-
-
-class FakeGroup:
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def megatron_modules():

@@ -24,6 +24,7 @@ with warnings.catch_warnings():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from tests.reference import buckets as ref
+from tests.reference.buckets import FakeGroup
 from trainfast import buckets
 from trainfast._util import UpstreamAssertionError
 from trainfast.integrations import megatron as integration
@@ -40,17 +41,6 @@ def test_this_is_the_newest_megatron_core():
 
 
 # --- random models -----------------------------------------------------------------------------------
-
-
-class FakeGroup:
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 @pytest.fixture

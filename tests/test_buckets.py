@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.reference import buckets as ref
+from tests.reference.buckets import FakeGroup
 
 with warnings.catch_warnings():
     # megatron-core's optimizer package imports torch modules that warn on import (CPU, no TE).
@@ -271,17 +272,6 @@ def test_per_buffer_and_full_layout_dropins(seed, monkeypatch):
 
 
 # --- real megatron-core: its own entry points with and without the patch --------------------------------
-
-
-class FakeGroup:
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 @pytest.fixture

@@ -109,3 +109,16 @@ def group(keys, fake_keys):
         entry[1].append(counters.get(fake, 0))
         counters[fake] = counters.get(fake, 0) + 1
     return result
+
+
+class FakeGroup:
+    """A process group's size() and rank(): runs megatron's layout and range code without torch.distributed."""
+
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
