@@ -13,23 +13,6 @@
 namespace trainfast::bpe {
 namespace {
 
-inline uint64_t hash_bytes(const uint8_t* p, size_t n) {
-  uint64_t h = 0x9E3779B97F4A7C15ull ^ (n * 0xFF51AFD7ED558CCDull);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t word;
-    std::memcpy(&word, p + i, 8);
-    h = (h ^ word) * 0xC2B2AE3D27D4EB4Full;
-    h ^= h >> 29;
-  }
-  if (i < n) {
-    uint64_t word = 0;
-    std::memcpy(&word, p + i, n - i);
-    h = (h ^ word) * 0xC2B2AE3D27D4EB4Full;
-  }
-  return mix64(h);
-}
-
 // Code point of the UTF-8 character starting at s[p] (p < n), and its byte length.
 inline std::pair<char32_t, size_t> decode_at(const uint8_t* s, size_t n, size_t p) {
   const uint8_t b = s[p];

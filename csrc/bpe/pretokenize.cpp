@@ -561,18 +561,6 @@ inline uint64_t short_hash(uint64_t w0, uint64_t w1, uint32_t len) {
   return h ^ (h >> 29);
 }
 
-inline uint64_t hash_long(const uint8_t* p, uint32_t len) {
-  uint64_t h = 0x9E3779B97F4A7C15ull ^ len;
-  uint32_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    h = (h ^ w) * 0xFF51AFD7ED558CCDull;
-    h ^= h >> 29;
-  }
-  if (i < len) h = (h ^ load_upto8(p + i, len - i)) * 0xC4CEB9FE1A85EC53ull;
-  return mix64(h);
-}
 
 // Sorts items by their `pos` (unique, >= 0): LSD radix sort on 11-bit digits, which beats
 // comparison sorting on the hundreds of thousands of entries of a large table.
@@ -645,7 +633,7 @@ class CountTable {
       hash = short_hash(key.w0, key.w1, len);
     } else {
       std::memcpy(&key.w0, data, 8);
-      hash = hash_long(data, len);
+      hash = hash_bytes(data, len);
     }
     key.meta = (hash & 0xFFFFFFFF00000000ull) | len;
     return key;
