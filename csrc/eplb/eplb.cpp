@@ -274,6 +274,26 @@ int64_t reset_pack_trees(int64_t num_packs, FloatPackScratch& scratch) {
   return size;
 }
 
+// One greedy step on one row's min-tree of packs: the lightest non-full pack (ties: lowest index)
+// takes an item of `item_load`; its key is replayed up to the root. Returns (pack, rank in pack).
+template <bool kNonNegative>
+inline std::pair<int64_t, int64_t> add_to_lightest_pack(uint64_t* tree, int64_t size, int64_t* counts, float* loads,
+                                                        float item_load, int64_t capacity) {
+  const int64_t pack = static_cast<int64_t>(tree[1] & kPackIndexMask);  // size 1: tree[1] is the leaf
+  const int64_t rank = counts[pack]++;
+  const float load = loads[pack] + item_load;
+  loads[pack] = load;
+  uint64_t key = float_pack_key<kNonNegative>(load, rank + 1 == capacity, pack);
+  int64_t pos = size + pack;
+  tree[pos] = key;
+  while (pos > 1) {
+    key = std::min(key, tree[pos ^ 1]);
+    pos >>= 1;
+    tree[pos] = key;
+  }
+  return {pack, rank};
+}
+
 // Greedy balanced packing of R rows at once (row r at offset r * n of every array). Each item's
 // step (pick the lightest pack, add the load, replay its root path) depends on the previous item
 // of its row only, so the R rows' chains overlap in the CPU. Rows of `order` must be permutations
@@ -294,19 +314,8 @@ void pack_rows_float(const float* weight, const int64_t* order, int64_t n, int64
       int64_t* const row_pack = pack_index + r * n;
       TF_CHECK_ARG(static_cast<uint64_t>(item) < static_cast<uint64_t>(n) && row_pack[item] < 0, order_name,
                    item, "must hold a permutation of each row's indices");
-      uint64_t* const tree = trees + r * 2 * size;
-      const int64_t pack = static_cast<int64_t>(tree[1] & kPackIndexMask);  // size 1: tree[1] is the leaf
-      const int64_t rank = counts[r * num_packs + pack]++;
-      const float load = loads[r * num_packs + pack] + weight[r * n + item];
-      loads[r * num_packs + pack] = load;
-      uint64_t key = float_pack_key<kNonNegative>(load, rank + 1 == capacity, pack);
-      int64_t pos = size + pack;
-      tree[pos] = key;
-      while (pos > 1) {
-        key = std::min(key, tree[pos ^ 1]);
-        pos >>= 1;
-        tree[pos] = key;
-      }
+      const auto [pack, rank] = add_to_lightest_pack<kNonNegative>(trees + r * 2 * size, size, counts + r * num_packs,
+                                                                    loads + r * num_packs, weight[r * n + item], capacity);
       row_pack[item] = pack;
       rank_in_pack[r * n + item] = rank;
     }
@@ -341,19 +350,8 @@ void place_rows(const float* loads, const int64_t* order, const int32_t* phy2mlo
       TF_CHECK_ARG(static_cast<uint64_t>(item) < static_cast<uint64_t>(n) && seen[r * n + item] == 0,
                    "replica_order", item, "must hold a permutation of each row's indices");
       seen[r * n + item] = 1;
-      uint64_t* const tree = trees + r * 2 * size;
-      const int64_t pack = static_cast<int64_t>(tree[1] & kPackIndexMask);  // size 1: tree[1] is the leaf
-      const int64_t rank = counts[r * num_packs + pack]++;
-      const float load = pack_loads[r * num_packs + pack] + loads[r * n + item];
-      pack_loads[r * num_packs + pack] = load;
-      uint64_t key = float_pack_key<true>(load, rank + 1 == capacity, pack);
-      int64_t pos = size + pack;
-      tree[pos] = key;
-      while (pos > 1) {
-        key = std::min(key, tree[pos ^ 1]);
-        pos >>= 1;
-        tree[pos] = key;
-      }
+      const auto [pack, rank] = add_to_lightest_pack<true>(trees + r * 2 * size, size, counts + r * num_packs,
+                                                            pack_loads + r * num_packs, loads[r * n + item], capacity);
       const int64_t slot = pack * capacity + rank;
       const int64_t expert = rows[r].mlog2log[phy2mlog[r * n + item]], replica = phy_rank[r * n + item];
       rows[r].phy2log[slot] = expert;
