@@ -530,8 +530,8 @@ def test_partition_buckets_with_fp8_buffer_equal_upstream(seed, megatron_meta):
             buckets.partition_buckets(twice)
 
 
-def test_unpatch_restores_the_originals():
-    originals = {
+def patched_module_functions():
+    return {
         "pgb.group_params_for_buffers": pgb.group_params_for_buffers,
         "pgb._compute_default_per_buffer_param_layout": pgb._compute_default_per_buffer_param_layout,
         "pgb.partition_buckets": pgb.partition_buckets,
@@ -539,6 +539,10 @@ def test_unpatch_restores_the_originals():
         "ddp.group_params_for_buffers": mc_ddp.group_params_for_buffers,
         "distopt.partition_buckets": mc_distopt.partition_buckets,
     }
+
+
+def test_unpatch_restores_the_originals():
+    originals = patched_module_functions()
     class_members = {name: DistributedOptimizer.__dict__[name] for name in (
         "_compute_per_buffer_param_layout", "compute_full_param_layout", "_build_model_gbuf_range",
         "_build_model_gbuf_param_range_map")}
@@ -552,13 +556,6 @@ def test_unpatch_restores_the_originals():
             assert DistributedOptimizer.__dict__[name] is not member
     finally:
         integration.unpatch()
-    current = {
-        "pgb.group_params_for_buffers": pgb.group_params_for_buffers,
-        "pgb._compute_default_per_buffer_param_layout": pgb._compute_default_per_buffer_param_layout,
-        "pgb.partition_buckets": pgb.partition_buckets,
-        "ddp.partition_buckets": mc_ddp.partition_buckets,
-        "ddp.group_params_for_buffers": mc_ddp.group_params_for_buffers,
-        "distopt.partition_buckets": mc_distopt.partition_buckets,
-    }
+    current = patched_module_functions()
     assert all(current[name] is originals[name] for name in originals)
     assert all(DistributedOptimizer.__dict__[name] is member for name, member in class_members.items())
