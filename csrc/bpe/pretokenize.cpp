@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cerrno>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <numeric>
 #include <thread>
@@ -19,6 +21,7 @@
 #endif
 
 #include "bpe/unicode_tables.h"
+#include "common/buffer.h"
 #include "common/check.h"
 #include "common/hash.h"
 #include "common/utf8.h"
@@ -562,37 +565,6 @@ inline uint64_t short_hash(uint64_t w0, uint64_t w1, uint32_t len) {
 }
 
 
-// Sorts items by their `pos` (unique, >= 0): LSD radix sort on 11-bit digits, which beats
-// comparison sorting on the hundreds of thousands of entries of a large table.
-template <typename Item>
-void sort_by_position(std::vector<Item>& items) {
-  if (items.size() < 4096) {
-    std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.pos < b.pos; });
-    return;
-  }
-  int64_t max_pos = 0;
-  for (const Item& item : items) max_pos = std::max(max_pos, item.pos);
-  constexpr int kBits = 11;
-  std::vector<Item> scratch(items.size());
-  std::vector<size_t> starts(size_t{1} << kBits);
-  for (int shift = 0; shift < 63 && (max_pos >> shift) != 0; shift += kBits) {
-    std::fill(starts.begin(), starts.end(), 0);
-    for (const Item& item : items) ++starts[(item.pos >> shift) & ((1 << kBits) - 1)];
-    size_t sum = 0;
-    for (size_t& start : starts) sum += std::exchange(start, sum);
-    for (const Item& item : items) scratch[starts[(item.pos >> shift) & ((1 << kBits) - 1)]++] = item;
-    items.swap(scratch);
-  }
-}
-
-// One unique pre-token of the final result: its bytes stay in (and point into) a count table.
-struct CountedKey {
-  int64_t pos;  // first position
-  int64_t count;
-  const uint8_t* bytes;
-  uint64_t len;
-};
-
 class CountTable {
  public:
   static constexpr uint32_t kInlineBytes = 16;
@@ -639,88 +611,45 @@ class CountTable {
     return key;
   }
 
+  // Which of `num_parts` tables owns a key. The tag is remixed first (an odd multiplier permutes
+  // 32-bit words), so the keys of one part still spread their home slots (the tag's top bits)
+  // over the whole of their table.
+  [[gnu::always_inline]] static inline uint32_t part_of(const Key& key, uint32_t num_parts) {
+    const uint32_t mixed = static_cast<uint32_t>(key.meta >> 32) * 0x9E3779B1u;
+    return static_cast<uint32_t>((uint64_t{mixed} * num_parts) >> 32);
+  }
+
   [[gnu::always_inline]] inline void prefetch(const Key& key) const { __builtin_prefetch(&slots_[home(key.meta)]); }
 
-  // Counts a pre-token at stream position `pos`. A worker counts its chunks in stream order, so
-  // a key's first add has its first position.
-  [[gnu::always_inline]] inline void add(const Key& key, int64_t pos, int64_t count = 1) {
+  // Counts one occurrence at stream position `pos`. Keys come in increasing position order, so
+  // insertion order is first-occurrence order.
+  [[gnu::always_inline]] inline void add(const Key& key, int64_t pos) {
     const uint32_t len = static_cast<uint32_t>(key.meta);
     for (size_t idx = home(key.meta);; idx = (idx + 1) & mask_) {
       Slot& slot = slots_[idx];
       if (slot.count == 0) {
-        insert(idx, key, pos, count);
+        insert(idx, key, pos);
         return;
       }
       if (slot.meta == key.meta && slot.w0 == key.w0 &&
           (len <= kInlineBytes ? slot.w1 == key.w1
                                : std::memcmp(arena_.data() + slot.w1 + 8, key.data + 8, len - 8) == 0)) {
-        slot.count += count;
+        ++slot.count;
         return;
       }
     }
   }
 
-  // Appends the slot indices of every entry whose tag t has shard_of(t) == shard, where
-  // shard_of(t) = t * num_shards >> 32, sorted by key (tag, length, bytes). A shard's tags form
-  // one contiguous range, so its entries sit in one stretch of slots, nearly in tag order.
-  void gather_shard(uint32_t shard, uint32_t num_shards, std::vector<uint32_t>& out) const {
-    const uint64_t first_tag = (uint64_t{shard} << 32) / num_shards + ((uint64_t{shard} << 32) % num_shards != 0);
-    const uint64_t end_tag = shard + 1 == num_shards ? uint64_t{1} << 32
-                                                     : ((uint64_t{shard + 1} << 32) + num_shards - 1) / num_shards;
-    const size_t cap = slots_.size();
-    // Entries sit at or after their home slot, in the same run of occupied slots; the last run
-    // may wrap around the end of the table.
-    const size_t from = home_of_tag(first_tag);
-    const size_t last_home = home_of_tag(end_tag - 1);
-    const size_t begin = out.size();
-    auto take = [&](size_t idx) {
-      const Slot& slot = slots_[idx];
-      if (slot.count != 0 && ((uint64_t{slot.tag()} * num_shards) >> 32) == shard) out.push_back(static_cast<uint32_t>(idx));
-    };
-    size_t idx = from;
-    for (; idx < cap && (idx <= last_home || slots_[idx].count != 0); ++idx) take(idx);
-    if (idx == cap) {
-      for (idx = 0; idx < from && slots_[idx].count != 0; ++idx) take(idx);
-    }
-    // Insertion sort: entries are out of tag order only within a run of occupied slots.
-    for (size_t k = begin + 1; k < out.size(); ++k) {
-      const uint32_t item = out[k];
-      size_t j = k;
-      for (; j > begin && key_less(item, out[j - 1]); --j) out[j] = out[j - 1];
-      out[j] = item;
-    }
-  }
-
-  // Key order across tables: (tag, length), then the bytes.
-  bool key_less(uint32_t a, uint32_t b) const { return compare_keys(*this, a, *this, b) < 0; }
-  static int compare_keys(const CountTable& ta, uint32_t a, const CountTable& tb, uint32_t b) {
-    const Slot& x = ta.slots_[a];
-    const Slot& y = tb.slots_[b];
-    if (x.meta != y.meta) return x.meta < y.meta ? -1 : 1;
-    if (x.w0 != y.w0) return x.w0 < y.w0 ? -1 : 1;
-    if (x.len() <= kInlineBytes) return x.w1 == y.w1 ? 0 : x.w1 < y.w1 ? -1 : 1;
-    return std::memcmp(ta.arena_.data() + x.w1, tb.arena_.data() + y.w1, x.len());
-  }
-
-  CountedKey counted(uint32_t idx) const {
-    const Slot& slot = slots_[idx];
-    return {positions_[idx], slot.count, key_bytes(slot), slot.len()};
-  }
-
-  // fn(slot index, first position) for every entry.
-  template <typename Fn>
-  void for_each_index(Fn&& fn) const {
-    for (size_t idx = 0; idx < slots_.size(); ++idx) {
-      if (slots_[idx].count != 0) fn(static_cast<uint32_t>(idx), positions_[idx]);
-    }
-  }
+  size_t size() const { return order_.size(); }
+  // Entry k in insertion (= first-occurrence) order, and its first position (increasing in k).
+  const Slot& entry(size_t k) const { return slots_[order_[k]]; }
+  const std::vector<int64_t>& first_positions() const { return first_positions_; }
 
   // The key bytes of a slot: inline ones are read in place (the slot is little-endian bytes).
   const uint8_t* key_bytes(const Slot& slot) const {
     return slot.len() <= kInlineBytes ? reinterpret_cast<const uint8_t*>(&slot.w0) : arena_.data() + slot.w1;
   }
 
-  size_t size() const { return size_; }
   void clear() { reset(kInitialBits); }
 
  private:
@@ -728,18 +657,17 @@ class CountTable {
   static constexpr size_t kMaxEntries = size_t{3} << 30;
 
   [[gnu::always_inline]] inline size_t home(uint64_t meta) const { return static_cast<size_t>((meta >> 32) >> shift_); }
-  size_t home_of_tag(uint64_t tag) const { return static_cast<size_t>(tag >> shift_); }
 
   void reset(int bits) {
-    std::vector<Slot>(size_t{1} << bits, Slot{0, 0, 0, 0}).swap(slots_);
-    std::vector<int64_t>(size_t{1} << bits, 0).swap(positions_);
+    UninitializedBuffer<Slot>(size_t{1} << bits, Slot{0, 0, 0, 0}).swap(slots_);
     mask_ = slots_.size() - 1;
     shift_ = 32 - bits;
-    size_ = 0;
+    std::vector<uint32_t>().swap(order_);
+    std::vector<int64_t>().swap(first_positions_);
     std::vector<uint8_t>().swap(arena_);
   }
 
-  [[gnu::noinline]] void insert(size_t idx, const Key& key, int64_t pos, int64_t count) {
+  [[gnu::noinline]] void insert(size_t idx, const Key& key, int64_t pos) {
     const uint32_t len = static_cast<uint32_t>(key.meta);
     Slot& slot = slots_[idx];
     slot.w0 = key.w0;
@@ -748,36 +676,36 @@ class CountTable {
       slot.w1 = arena_.size();
       arena_.insert(arena_.end(), key.data, key.data + len);
     }
-    slot.count = count;
+    slot.count = 1;
     slot.meta = key.meta;
-    positions_[idx] = pos;
-    ++size_;
-    if (size_ * 4 > slots_.size() * 3) grow();
+    order_.push_back(static_cast<uint32_t>(idx));
+    first_positions_.push_back(pos);
+    if (order_.size() * 4 > slots_.size() * 3) grow();
   }
 
   void grow() {
-    if (shift_ == 0 || size_ >= kMaxEntries) throw std::length_error("pre-token table is full");
-    std::vector<Slot> old_slots(slots_.size() * 2, Slot{0, 0, 0, 0});
-    std::vector<int64_t> old_positions(slots_.size() * 2, 0);
+    if (shift_ == 0 || order_.size() >= kMaxEntries) throw std::length_error("pre-token table is full");
+    UninitializedBuffer<Slot> old_slots(slots_.size() * 2, Slot{0, 0, 0, 0});
     old_slots.swap(slots_);
-    old_positions.swap(positions_);
     --shift_;
     mask_ = slots_.size() - 1;
-    for (size_t k = 0; k < old_slots.size(); ++k) {
-      if (old_slots[k].count == 0) continue;
-      size_t idx = home(old_slots[k].meta);
+    for (uint32_t& slot_idx : order_) {
+      const Slot& old = old_slots[slot_idx];
+      size_t idx = home(old.meta);
       while (slots_[idx].count != 0) idx = (idx + 1) & mask_;
-      slots_[idx] = old_slots[k];
-      positions_[idx] = old_positions[k];
+      slots_[idx] = old;
+      slot_idx = static_cast<uint32_t>(idx);
     }
   }
 
-  std::vector<Slot> slots_;
-  std::vector<int64_t> positions_;  // first position of each slot's key (in the input stream)
+  // Slots in huge pages: a large table is probed at random, and 4 KiB pages made most probes TLB
+  // misses as well as cache misses.
+  UninitializedBuffer<Slot> slots_;
   size_t mask_ = 0;
-  int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
-  size_t size_ = 0;
-  std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
+  int shift_ = 32;                       // home = tag >> shift_; capacity 2^(32 - shift_)
+  std::vector<uint32_t> order_;          // slot of each entry, in insertion order
+  std::vector<int64_t> first_positions_; // first position of each entry, in insertion order
+  std::vector<uint8_t> arena_;           // bytes of keys longer than kInlineBytes
 };
 
 // Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
@@ -988,7 +916,7 @@ bool is_clean_utf8(const uint8_t* s, size_t n);
 struct PretokenCounter::Impl {
   CountOptions options;
   SpecialTokenMatcher specials;
-  std::vector<CountTable> tables;  // one per worker
+  std::vector<CountTable> tables;  // num_threads parts of the counts (disjoint keys)
   int64_t stream_pos = 0;          // decoded bytes of all inputs so far: orders first occurrences
 
   explicit Impl(CountOptions opts) : options(std::move(opts)), specials(options.special_tokens) {
@@ -1106,52 +1034,109 @@ struct PretokenCounter::Impl {
     return start;
   }
 
-  template <Pattern P>
-  void count_segment(const uint8_t* s, size_t n, int64_t pos, CountTable& table) const {
-    // In batches: scan and hash a batch of pre-tokens prefetching their index slots, then their
-    // entries, then count them; this hides most cache misses of a large table.
-    // A ring of pending pre-tokens: each one's slot is prefetched kAhead pre-tokens before it is
-    // counted, which hides most cache misses of a large table.
-    constexpr unsigned kAhead = 16;
-    CountTable::Key keys[kAhead];
-    int64_t starts[kAhead];
-    unsigned num_pending = 0;
-    scan_pretokens<P>(s, n, [&](size_t begin, size_t end) {
-      if (end - begin > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
-      const unsigned k = num_pending % kAhead;
-      if (num_pending >= kAhead) table.add(keys[k], starts[k]);
-      keys[k] = CountTable::make_key(s + begin, static_cast<uint32_t>(end - begin), n - begin);
-      starts[k] = pos + static_cast<int64_t>(begin);
-      table.prefetch(keys[k]);
-      ++num_pending;
-    });
-    for (unsigned j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
-      table.add(keys[j % kAhead], starts[j % kAhead]);
+  // A pre-token waiting to be counted.
+  struct Pending {
+    CountTable::Key key;
+    int64_t pos;
+  };
+  // The same in 32 bytes, for buffers: a long key keeps its data pointer where a short one keeps
+  // its second word.
+  struct Packed {
+    uint64_t w0, w1_or_data, meta;
+    int64_t pos;
+    static Packed pack(const CountTable::Key& key, int64_t pos) {
+      const bool is_long = static_cast<uint32_t>(key.meta) > CountTable::kInlineBytes;
+      return {key.w0, is_long ? reinterpret_cast<uintptr_t>(key.data) : key.w1, key.meta, pos};
     }
-  }
+    CountTable::Key key() const {
+      const bool is_long = static_cast<uint32_t>(meta) > CountTable::kInlineBytes;
+      return {is_long ? reinterpret_cast<const uint8_t*>(w1_or_data) : nullptr, w0, is_long ? 0 : w1_or_data, meta};
+    }
+  };
+  static constexpr unsigned kAhead = 16;  // pre-tokens between a slot's prefetch and its count
 
-  template <Pattern P>
-  void count_chunk_impl(const Chunk& chunk, CountTable& table) const {
-    if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, chunk.pos, table);
+  // Calls sink(key, position) for every pre-token of a chunk, in order (special tokens skipped).
+  template <Pattern P, typename Sink>
+  void scan_chunk_impl(const Chunk& chunk, Sink& sink) const {
+    auto segment = [&](const uint8_t* s, size_t n, int64_t pos) {
+      scan_pretokens<P>(s, n, [&](size_t begin, size_t end) {
+        if (end - begin > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
+        sink(CountTable::make_key(s + begin, static_cast<uint32_t>(end - begin), n - begin),
+             pos + static_cast<int64_t>(begin));
+      });
+    };
+    if (specials.empty()) return segment(chunk.data, chunk.size, chunk.pos);
     const std::string_view text(reinterpret_cast<const char*>(chunk.data), chunk.size);
     size_t i = 0;
     while (i < chunk.size) {
       const auto [start, len] = specials.find(text, i);
-      count_segment<P>(chunk.data + i, start - i, chunk.pos + static_cast<int64_t>(i), table);
+      segment(chunk.data + i, start - i, chunk.pos + static_cast<int64_t>(i));
       if (len == 0) break;
       i = start + len;
     }
   }
 
-  void count_chunk(const Chunk& chunk, CountTable& table) const {
+  template <typename Sink>
+  void scan_chunk(const Chunk& chunk, Sink& sink) const {
     switch (options.pattern) {
-      case Pattern::kGpt2: return count_chunk_impl<Pattern::kGpt2>(chunk, table);
-      case Pattern::kCl100k: return count_chunk_impl<Pattern::kCl100k>(chunk, table);
-      case Pattern::kO200k: return count_chunk_impl<Pattern::kO200k>(chunk, table);
+      case Pattern::kGpt2: return scan_chunk_impl<Pattern::kGpt2>(chunk, sink);
+      case Pattern::kCl100k: return scan_chunk_impl<Pattern::kCl100k>(chunk, sink);
+      case Pattern::kO200k: return scan_chunk_impl<Pattern::kO200k>(chunk, sink);
     }
   }
 
-  // Counts chunks in parallel; consecutive small chunks are grouped into work items.
+  // Counts straight into the owning tables, through a ring of pending pre-tokens: each one's slot
+  // is prefetched kAhead pre-tokens before it is counted, which hides most cache misses.
+  struct DirectSink {
+    std::vector<CountTable>& tables;
+    Pending ring[kAhead] = {};
+    CountTable* ring_tables[kAhead] = {};
+    unsigned num_pending = 0;
+
+    [[gnu::always_inline]] inline void operator()(const CountTable::Key& key, int64_t pos) {
+      const unsigned k = num_pending % kAhead;
+      if (num_pending >= kAhead) ring_tables[k]->add(ring[k].key, ring[k].pos);
+      CountTable* table = tables.size() == 1 ? &tables[0]
+                                             : &tables[CountTable::part_of(key, static_cast<uint32_t>(tables.size()))];
+      ring[k] = {key, pos};
+      ring_tables[k] = table;
+      table->prefetch(key);
+      ++num_pending;
+    }
+    // Counts what is pending (before the text it points into goes away).
+    void flush() {
+      for (unsigned j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
+        ring_tables[j % kAhead]->add(ring[j % kAhead].key, ring[j % kAhead].pos);
+      }
+      num_pending = 0;
+    }
+  };
+
+  // Sorts pre-tokens into one buffer per owning table.
+  struct PartitionSink {
+    std::vector<Packed>* buffers;  // [num_parts]
+    uint32_t num_parts;
+    [[gnu::always_inline]] inline void operator()(const CountTable::Key& key, int64_t pos) {
+      buffers[CountTable::part_of(key, num_parts)].push_back(Packed::pack(key, pos));
+    }
+  };
+
+  // Counting from a buffer does little else between misses, so it prefetches further ahead.
+  static constexpr size_t kBufferAhead = 32;
+  static void count_buffer(CountTable& table, const std::vector<Packed>& buffer) {
+    const size_t n = buffer.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kBufferAhead < n) table.prefetch(buffer[i + kBufferAhead].key());
+      table.add(buffer[i].key(), buffer[i].pos);
+    }
+  }
+
+  // Counts chunks in parallel; consecutive small chunks are grouped into work items, in order.
+  // A pre-token is counted only in the table of its part (tables[part_of(key)]), so the tables
+  // hold disjoint keys, each inserted once, in first-occurrence order: no merging of per-thread
+  // duplicates afterwards. With several workers, each round every worker scans one item into
+  // per-part buffers, then (after a barrier) counts the buffers of the parts it owns, taking the
+  // workers' buffers in item order. Buffers are double: scanning round r + 1 overlaps counting r.
   void count_chunks(const std::vector<Chunk>& chunks, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
     std::vector<size_t> item_starts;
     size_t bytes = 0;
@@ -1163,14 +1148,88 @@ struct PretokenCounter::Impl {
       bytes += chunks[k].size;
     }
     item_starts.push_back(chunks.size());
-    run_workers(item_starts.size() - 1, options.num_threads, interrupt, [&](size_t item, int worker) {
+    const size_t num_items = item_starts.size() - 1;
+    if (num_items == 0) return;
+    auto scan_item = [&](size_t item, auto& sink) {
       int64_t item_bytes = 0;
       for (size_t k = item_starts[item]; k < item_starts[item + 1]; ++k) {
-        count_chunk(chunks[k], tables[worker]);
+        scan_chunk(chunks[k], sink);
         item_bytes += static_cast<int64_t>(chunks[k].size);
       }
       if (bytes_done != nullptr) bytes_done->fetch_add(item_bytes, std::memory_order_relaxed);
-    });
+    };
+
+    const size_t num_workers = std::min<size_t>(static_cast<size_t>(options.num_threads), num_items);
+    if (num_workers == 1) {
+      DirectSink sink{tables};
+      for (size_t item = 0; item < num_items; ++item) {
+        if (interrupt != nullptr) interrupt->check();
+        scan_item(item, sink);
+        sink.flush();
+      }
+      return;
+    }
+
+    const auto num_parts = static_cast<uint32_t>(tables.size());
+    std::vector<std::vector<Packed>> buffers(2 * num_workers * num_parts);  // [round % 2][worker][part]
+    auto buffers_of = [&](size_t round, size_t worker) { return &buffers[((round & 1) * num_workers + worker) * num_parts]; };
+    const size_t num_rounds = (num_items + num_workers - 1) / num_workers;
+    std::atomic<bool> failed{false};
+    std::exception_ptr first_error;
+    std::mutex error_mutex;
+    auto record_error = [&] {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!first_error) first_error = std::current_exception();
+      failed.store(true);
+    };
+    bool stop = false;  // decided once per round, when every worker has arrived
+    std::barrier sync(static_cast<std::ptrdiff_t>(num_workers), [&]() noexcept { stop = failed.load(); });
+    auto work = [&](size_t worker) {
+      for (size_t round = 0; round < num_rounds; ++round) {
+        std::vector<Packed>* mine = buffers_of(round, worker);
+        const size_t item = round * num_workers + worker;
+        if (item < num_items && !failed.load(std::memory_order_relaxed)) {
+          try {
+            for (uint32_t part = 0; part < num_parts; ++part) mine[part].clear();
+            PartitionSink sink{mine, num_parts};
+            scan_item(item, sink);
+          } catch (...) {
+            record_error();
+          }
+        }
+        if (worker == 0 && interrupt != nullptr) {
+          try {
+            interrupt->check();
+          } catch (...) {
+            record_error();
+          }
+        }
+        sync.arrive_and_wait();
+        if (stop) return;
+        try {
+          const size_t num_scanned = std::min(num_workers, num_items - round * num_workers);
+          for (size_t part = worker; part < num_parts; part += num_workers) {
+            for (size_t source = 0; source < num_scanned; ++source) {
+              count_buffer(tables[part], buffers_of(round, source)[part]);
+            }
+          }
+        } catch (...) {
+          record_error();
+        }
+      }
+    };
+    std::vector<std::thread> threads;
+    for (size_t worker = 1; worker < num_workers; ++worker) {
+      try {
+        threads.emplace_back(work, worker);
+      } catch (...) {
+        record_error();
+        sync.arrive_and_drop();  // stands in for the worker that could not start
+      }
+    }
+    work(0);
+    for (auto& thread : threads) thread.join();
+    if (first_error) std::rethrow_exception(first_error);
   }
 
   // Cuts one whole document of decoded text into chunks.
@@ -1361,105 +1420,103 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
 
 FlatPretokenCounts PretokenCounter::finish_flat() {
   Impl& impl = *impl_;
-  const int num_threads = impl.options.num_threads;
-  std::vector<const CountTable*> sources;
-  for (const CountTable& table : impl.tables) {
-    if (table.size() > 0) sources.push_back(&table);
-  }
-  // Shard k (a range of hash tags) of every table is merged by one worker: each table lists its
-  // shard's entries sorted by key, and a merge of those lists sums the counts of equal keys and
-  // keeps their first position. Then each shard sorts its keys by first position.
-  const size_t num_shards = sources.size() <= 1 ? 1 : static_cast<size_t>(num_threads);
-  std::vector<std::vector<CountedKey>> shards(num_shards);
-  if (sources.size() > 1) {
-    run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
-      const size_t num_sources = sources.size();
-      std::vector<std::vector<uint32_t>> lists(num_sources);
-      size_t total = 0;
-      for (size_t t = 0; t < num_sources; ++t) {
-        sources[t]->gather_shard(static_cast<uint32_t>(shard), static_cast<uint32_t>(num_shards), lists[t]);
-        total += lists[t].size();
-      }
-      std::vector<CountedKey>& out = shards[shard];
-      out.reserve(total);
-      std::vector<size_t> heads(num_sources, 0);
-      while (true) {
-        size_t best = num_sources;
-        for (size_t t = 0; t < num_sources; ++t) {
-          if (heads[t] == lists[t].size()) continue;
-          if (best == num_sources ||
-              CountTable::compare_keys(*sources[t], lists[t][heads[t]], *sources[best], lists[best][heads[best]]) < 0) {
-            best = t;
-          }
-        }
-        if (best == num_sources) break;
-        CountedKey key = sources[best]->counted(lists[best][heads[best]]);
-        for (size_t t = 0; t < num_sources; ++t) {
-          if (t == best || heads[t] == lists[t].size()) continue;
-          if (CountTable::compare_keys(*sources[t], lists[t][heads[t]], *sources[best], lists[best][heads[best]]) == 0) {
-            const CountedKey other = sources[t]->counted(lists[t][heads[t]]);
-            key.count += other.count;
-            key.pos = std::min(key.pos, other.pos);
-            ++heads[t];
-          }
-        }
-        ++heads[best];
-        out.push_back(key);
-      }
-    });
-  }
-  // First-occurrence order: positions are unique, so the order does not depend on the threads.
-  // An entry's rank is its index in its (sorted) shard plus the number of entries of the other
-  // shards at smaller positions. Only the prefix sum of lengths is serial.
-  struct Order {
-    int64_t pos;
-    uint32_t idx;
-  };
-  std::vector<std::vector<Order>> orders(num_shards);
-  const bool single = sources.size() == 1;  // then entries are read from the table in place
-  auto key_of = [&](size_t k, uint32_t idx) { return single ? sources[0]->counted(idx) : shards[k][idx]; };
-  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
-    if (single) {
-      orders[k].reserve(sources[0]->size());
-      sources[0]->for_each_index([&](uint32_t idx, int64_t pos) { orders[k].push_back({pos, idx}); });
-    } else {
-      orders[k].resize(shards[k].size());
-      for (size_t j = 0; j < shards[k].size(); ++j) orders[k][j] = {shards[k][j].pos, static_cast<uint32_t>(j)};
-    }
-    sort_by_position(orders[k]);
-  });
+  const std::vector<CountTable>& tables = impl.tables;
+  const size_t num_tables = tables.size();
   size_t num_entries = 0;
-  for (const auto& order : orders) num_entries += order.size();
+  for (const CountTable& table : tables) num_entries += table.size();
+  // The tables hold disjoint keys, each in first-occurrence order, so the result is their merge
+  // by first position. Worker j writes the entries whose first position lies in
+  // [bounds[j], bounds[j + 1]): one run of each table, and one contiguous run of the result.
+  const size_t num_workers =
+      std::clamp<size_t>(num_entries / 65536, 1, static_cast<size_t>(impl.options.num_threads));
+  auto count_below = [&](int64_t pos) {
+    size_t below = 0;
+    for (const CountTable& table : tables) {
+      const auto& positions = table.first_positions();
+      below += static_cast<size_t>(std::lower_bound(positions.begin(), positions.end(), pos) - positions.begin());
+    }
+    return below;
+  };
+  std::vector<int64_t> bounds(num_workers + 1, 0);
+  bounds[num_workers] = std::numeric_limits<int64_t>::max();
+  for (size_t j = 1; j < num_workers; ++j) {
+    // The smallest position with at least j/num_workers of the entries below it.
+    const size_t target = num_entries / num_workers * j;
+    int64_t lo = bounds[j - 1], hi = impl.stream_pos;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (count_below(mid) >= target) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    bounds[j] = lo;
+  }
+  struct Part {
+    size_t first_rank;
+    UninitializedBuffer<uint8_t> bytes;
+    UninitializedBuffer<uint64_t> lengths;
+  };
+  std::vector<Part> parts(num_workers);
   FlatPretokenCounts out;
   out.offsets.assign(num_entries + 1, 0);
   out.counts.resize(num_entries);
-  std::vector<std::vector<size_t>> ranks(num_shards);
-  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
-    std::vector<size_t> before(num_shards, 0);  // entries of shard m at positions below the current one
-    ranks[k].resize(orders[k].size());
-    for (size_t j = 0; j < orders[k].size(); ++j) {
-      const int64_t pos = orders[k][j].pos;
-      size_t rank = j;
-      for (size_t m = 0; m < num_shards; ++m) {
-        if (m == k) continue;
-        while (before[m] < orders[m].size() && orders[m][before[m]].pos < pos) ++before[m];
-        rank += before[m];
+  run_workers(num_workers, static_cast<int>(num_workers), nullptr, [&](size_t j, int) {
+    std::vector<size_t> heads(num_tables), ends(num_tables);
+    size_t rank = 0;
+    for (size_t t = 0; t < num_tables; ++t) {
+      const auto& positions = tables[t].first_positions();
+      heads[t] = static_cast<size_t>(std::lower_bound(positions.begin(), positions.end(), bounds[j]) - positions.begin());
+      ends[t] = static_cast<size_t>(std::lower_bound(positions.begin(), positions.end(), bounds[j + 1]) - positions.begin());
+      rank += heads[t];
+    }
+    Part& part = parts[j];
+    part.first_rank = rank;
+    // The merge order first, then the entries: picking the next table is an unpredictable
+    // branch, and a mispredicted one would cancel the slot loads in flight.
+    struct Ref {
+      const CountTable::Slot* slot;
+      const CountTable* table;
+    };
+    std::vector<Ref> merged;
+    merged.reserve(num_entries / num_workers + 1);
+    while (true) {
+      size_t best = num_tables;
+      for (size_t t = 0; t < num_tables; ++t) {
+        if (heads[t] < ends[t] && (best == num_tables || tables[t].first_positions()[heads[t]] <
+                                                             tables[best].first_positions()[heads[best]])) {
+          best = t;
+        }
       }
-      const CountedKey key = key_of(k, orders[k][j].idx);
-      ranks[k][j] = rank;
-      out.offsets[rank + 1] = key.len;
-      out.counts[rank] = key.count;
+      if (best == num_tables) break;
+      merged.push_back({&tables[best].entry(heads[best]++), &tables[best]});
     }
+    part.lengths.resize(merged.size());
+    size_t num_bytes = 0;
+    for (size_t k = 0; k < merged.size(); ++k) {
+      if (k + 8 < merged.size()) __builtin_prefetch(merged[k + 8].slot);
+      const CountTable::Slot& slot = *merged[k].slot;
+      const uint32_t len = slot.len();
+      if (part.bytes.size() < num_bytes + len) part.bytes.resize(std::max(2 * part.bytes.size(), num_bytes + len));
+      std::memcpy(part.bytes.data() + num_bytes, merged[k].table->key_bytes(slot), len);
+      num_bytes += len;
+      part.lengths[k] = len;
+      out.counts[rank++] = slot.count;
+    }
+    part.bytes.resize(num_bytes);
   });
-  for (size_t k = 0; k < num_entries; ++k) out.offsets[k + 1] += out.offsets[k];
+  for (const Part& part : parts) {
+    for (size_t k = 0; k < part.lengths.size(); ++k) {
+      out.offsets[part.first_rank + k + 1] = out.offsets[part.first_rank + k] + part.lengths[k];
+    }
+  }
   out.bytes.resize(out.offsets[num_entries]);
-  run_workers(num_shards, num_threads, nullptr, [&](size_t k, int) {
-    for (size_t j = 0; j < orders[k].size(); ++j) {
-      const CountedKey key = key_of(k, orders[k][j].idx);
-      std::memcpy(out.bytes.data() + out.offsets[ranks[k][j]], key.bytes, key.len);
+  run_workers(num_workers, static_cast<int>(num_workers), nullptr, [&](size_t j, int) {
+    if (!parts[j].bytes.empty()) {
+      std::memcpy(out.bytes.data() + out.offsets[parts[j].first_rank], parts[j].bytes.data(), parts[j].bytes.size());
     }
   });
-  shards.clear();
   for (CountTable& table : impl.tables) table.clear();
   impl.stream_pos = 0;
   return out;
