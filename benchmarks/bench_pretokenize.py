@@ -6,12 +6,13 @@ One run times, on gcide (English) and multilingual (26 languages) from ../shared
                   via Oniguruma, output mapped to byte-level characters; no counting), one thread
   - trainfast:   count_pretokens(path) with 1 thread and with every core, split in two phases:
                  "scan+count" = file read (mmap) + UTF-8 check/decode + scan + count + merge of the
-                 per-thread tables into flat arrays in first-occurrence order (the native counter's
+                 per-thread hash parts into flat arrays in first-occurrence order (the native counter's
                  add_file + finish_arrays), and "+dict" = the whole public call, which also builds the
                  dict[bytes, int] (Python objects, one thread, GIL held); pretokenize(text) -> list[str]
 The Python baselines run on the first --baseline-mb MB of each corpus (they take ~10 s per 40 MB);
-native timings use the whole file. MB/s are decoded MB of text per second of wall time (best of the
-repeats); "per CPU-s" divides by the CPU time the process used instead (user + sys, all threads),
+native timings use the whole file. MB/s are decoded MB of text per second of wall time (median of
+the repeats; the 1-thread and all-thread calls take turns, so a slow spell of a shared machine
+hits both alike); "per CPU-s" divides by the CPU time the process used instead (user + sys, all threads),
 which stays meaningful when the machine is shared.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import lzma
 import os
 import resource
+import statistics
 import sys
 import time
 from collections import Counter
@@ -50,7 +52,7 @@ def cpu_seconds() -> float:
 
 
 def timed(fn, repeats: int):
-    """(result, best wall s, best CPU s) over `repeats` calls: the best run is the one least disturbed."""
+    """(result, median wall s, median CPU s) over `repeats` calls."""
     walls, cpus = [], []
     result = None
     for _ in range(repeats):
@@ -58,7 +60,21 @@ def timed(fn, repeats: int):
         result = fn()
         walls.append(time.perf_counter() - wall_start)
         cpus.append(cpu_seconds() - cpu_start)
-    return result, min(walls), min(cpus)
+    return result, statistics.median(walls), statistics.median(cpus)
+
+
+def interleaved(fns: dict, repeats: int) -> dict:
+    """{name: (median wall s, median CPU s)}: the functions take turns, `repeats` rounds, so a
+    slow spell of a shared machine hits them all alike instead of one of them."""
+    walls = {name: [] for name in fns}
+    cpus = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            cpu_start, wall_start = cpu_seconds(), time.perf_counter()
+            fn()
+            walls[name].append(time.perf_counter() - wall_start)
+            cpus[name].append(cpu_seconds() - cpu_start)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in fns}
 
 
 def _spin(n: int) -> None:
@@ -90,7 +106,8 @@ def main() -> None:
     from trainfast import _core
 
     baseline_mb = 2 if args.quick else 8
-    repeats = 2 if args.quick else 5
+    repeats = 2 if args.quick else 7
+    regex_repeats = 1 if args.quick else 3
     threads = resolve_num_threads(None)
     native_id = {"gpt2": 0, "cl100k": 1, "o200k": 2}
     rows = []
@@ -104,7 +121,8 @@ def main() -> None:
         prefix_mb = len(prefix.encode("utf-8")) / 1e6
         for name in ["gpt2", "cl100k", "o200k"]:
             compiled = regex.compile(PATTERNS[name])
-            expected, regex_s, regex_cpu = timed(lambda: Counter(map(str.encode, compiled.findall(prefix))), 1)
+            expected, regex_s, regex_cpu = timed(lambda: Counter(map(str.encode, compiled.findall(prefix))),
+                                                 regex_repeats)
             got_prefix = count_pretokens(iter([prefix]), pattern=name, num_threads=1)
             assert got_prefix == expected, f"{corpus}/{name}: native counts differ from regex"
             regex_rate = prefix_mb / regex_s
@@ -123,11 +141,12 @@ def main() -> None:
 
             # The dict build alone: CPU time of finish() (dict) minus finish_arrays(), best of the repeats.
             dict_cpu = min(finish_only(True) for _ in range(repeats)) - min(finish_only(False) for _ in range(repeats))
-            cells = {}
+            fns = {}
             for n in (1, threads):
-                _, native_s, native_cpu = timed(lambda: native(n), repeats)
-                _, full_s, full_cpu = timed(lambda: count_pretokens(path, pattern=name, num_threads=n), repeats)
-                cells[n] = (native_s, native_cpu, full_s, full_cpu)
+                fns[("native", n)] = lambda n=n: native(n)
+                fns[("full", n)] = lambda n=n: count_pretokens(path, pattern=name, num_threads=n)
+            medians = interleaved(fns, repeats)
+            cells = {n: (*medians[("native", n)], *medians[("full", n)]) for n in (1, threads)}
             _, list_s, _ = timed(lambda: pretokenize(text, pattern=name), 1)
             one, many = cells[1], cells[threads]
             if name == "gpt2":
@@ -172,7 +191,8 @@ def main() -> None:
     body = (
         "`count_pretokens` vs `Counter(regex.findall(...))` (regex "
         f"{regex.__version__}) on the first {baseline_mb} MB, both checked equal; native on the whole file "
-        f"(gcide 40 MB, multilingual 21.5 MB), best of {repeats}. \"scan+count\": file read (mmap) + UTF-8 "
+        f"(gcide 40 MB, multilingual 21.5 MB), median of {repeats} runs with the 1-thread and "
+        f"{threads}-thread calls taking turns (regex: median of {regex_repeats}). \"scan+count\": file read (mmap) + UTF-8 "
         "check + scan + count + parallel merge into flat arrays in first-occurrence order (the native "
         "counter alone); \"+dict\": the public `count_pretokens` call, which also builds the "
         "dict[bytes, int] on one thread (Python objects; its CPU time is the \"dict build\" column). "
