@@ -261,6 +261,20 @@ def test_results_independent_of_threads_and_ordered_by_first_occurrence():
         assert got == expected and list(got) == list(expected)
 
 
+def test_many_unique_pretokens_ordered_for_any_thread_count():
+    # Enough unique pre-tokens that the final merge by first position is split among threads.
+    rng = random.Random(11)
+    words = [f" w{rng.randrange(400_000)}" for _ in range(300_000)]
+    docs = ["".join(words[k:k + 5000]) for k in range(0, len(words), 5000)]
+    expected = ref.count_pretokens(docs)
+    assert len(expected) > 200_000
+    for num_threads in (1, 2, 3, 7):
+        counter = _core.BpePretokenCounter(0, [], 0, num_threads, chunk_bytes=4096)
+        counter.add_documents(docs)
+        got = counter.finish()
+        assert got == expected and list(got) == list(expected)
+
+
 def test_count_inputs_forms(tmp_path):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("one two\r\nthree")
