@@ -1,8 +1,10 @@
 // Bindings for checkpoint write-item binning: reads WriteItem objects (or arrays), calls the core.
+#include <array>
 #include <string>
 #include <utility>
 
 #include "bindings/common.h"
+#include "bindings/fast_attr.h"
 #include "checkpoint/binning.h"
 #include "common/checked_math.h"
 #include "common/memory.h"
@@ -18,11 +20,13 @@ py::str interned(const char* name) {
 
 std::string item_name(size_t idx) { return "items[" + std::to_string(idx) + "]"; }
 
-py::object get_attr(py::handle obj, const py::str& attr, size_t idx) {
-  PyObject* value = PyObject_GetAttr(obj.ptr(), attr.ptr());
+// getattr through `reader` (fast for WriteItem dataclasses); a missing attribute names the item.
+py::object get_attr(AttrReader& reader, py::handle obj, size_t idx) {
+  PyObject* value = reader.get(obj.ptr());
   if (value == nullptr) {
     PyErr_Clear();
-    throw py::type_error(item_name(idx) + " has no attribute '" + std::string(attr) +
+    throw py::type_error(item_name(idx) + " has no attribute '" +
+                         std::string(py::str(reader.name())) +
                          "' (expected a torch.distributed.checkpoint WriteItem)");
   }
   return py::reinterpret_steal<py::object>(value);
@@ -67,79 +71,205 @@ int64_t numel_of(py::handle shape, size_t idx, const char* field) {
   return numel;
 }
 
+// The attributes read from every item; each reader learns where its attribute lives.
+struct ItemReaders {
+  AttrReader type{"type"}, tensor_data{"tensor_data"}, chunk{"chunk"}, sizes{"sizes"},
+      size{"size"}, properties{"properties"}, dtype{"dtype"}, bytes_io_data{"bytes_io_data"};
+};
+
 struct ItemArrays {
   std::vector<uint8_t> is_bytes;
   std::vector<int64_t> sizes;
 };
+
+// Element size by dtype identity: every key of the element-size dict, held (so no address is
+// reused), plus dtypes that matched a key by equality. Lookups by identity are what the dict
+// itself answers first, so this gives the same sizes.
+class ElementSizeCache {
+ public:
+  explicit ElementSizeCache(const py::dict& element_sizes) : element_sizes_(element_sizes) {
+    for (const auto& [dtype, size] : element_sizes) {
+      entries_.emplace_back(py::reinterpret_borrow<py::object>(dtype), checked_size(size));
+    }
+  }
+
+  // The size of `dtype` when it is a known object, else -1; reads only (no Python code).
+  int64_t find(PyObject* dtype) {
+    if (dtype == last_dtype_) return last_size_;
+    for (const auto& [held, size] : entries_) {
+      if (held.ptr() == dtype) {
+        last_dtype_ = dtype;
+        last_size_ = size;
+        return size;
+      }
+    }
+    return -1;
+  }
+
+  // Any dtype: a dict lookup for unknown objects (may run their __hash__/__eq__).
+  int64_t lookup(const py::object& dtype, size_t idx) {
+    if (const int64_t size = find(dtype.ptr()); size >= 0) return size;
+    PyObject* size = PyDict_GetItemWithError(element_sizes_.ptr(), dtype.ptr());
+    if (size == nullptr) {
+      if (PyErr_Occurred()) PyErr_Clear();
+      throw py::value_error(item_name(idx) + " has an unknown dtype (got " +
+                            std::string(py::repr(dtype)) + ")");
+    }
+    const int64_t value = checked_size(size);
+    if (entries_.size() < kMaxEntries) entries_.emplace_back(dtype, value);
+    return value;
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 256;  // bounds the scan when many odd dtypes match keys
+  static int64_t checked_size(py::handle size) {
+    const auto value = py::cast<int64_t>(size);
+    if (value < 0) throw py::value_error("element sizes must be non-negative");
+    return value;
+  }
+
+  const py::dict& element_sizes_;
+  std::vector<std::pair<py::object, int64_t>> entries_;
+  PyObject* last_dtype_ = nullptr;  // one of entries_, which hold it
+  int64_t last_size_ = 0;
+};
+
+// prod(shape) when `shape` is a tuple (torch.Size) of exact ints that fit, else -1 (overflow,
+// negative dims and everything else are left to numel_of and its errors). Reads only.
+int64_t numel_of_plain_tuple(PyObject* shape) {
+  if (shape == nullptr || !PyTuple_Check(shape)) return -1;
+  int64_t numel = 1;
+  for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); ++d) {
+    PyObject* dim = PyTuple_GET_ITEM(shape, d);
+    if (!PyLong_CheckExact(dim)) return -1;
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(dim, &overflow);  // exact int: no code runs
+    if (overflow != 0 || value < 0) return -1;
+    const auto product = checked_mul(numel, value);
+    if (!product) return -1;
+    numel = *product;
+  }
+  return numel;
+}
+
+int64_t g_fast_items = 0;  // items read by read_item_fast since the last checkpoint_read_counts()
+
+struct ItemReadContext {
+  ItemReaders readers;
+  PyObject* byte_io_type;
+  ElementSizeCache element_sizes;
+  bool global_sizing;
+  bool count_bytes;
+};
+
+// The common case without a single reference count change (each one dirties a cache line of a
+// different object): every attribute comes from inline values, the shape is plain ints, the dtype
+// is cached. Nothing here can run Python code, so the borrowed pointers stay valid. Returns false,
+// with nothing written, when the item needs read_item_generic.
+bool read_item_fast(ItemReadContext& ctx, PyObject* item, uint8_t& is_bytes, int64_t& size) {
+  const ItemReaders& r = ctx.readers;
+  PyObject* type = r.type.peek(item);
+  if (type == nullptr) return false;
+  // Another class than the enum's may define __eq__: that comparison is left to the generic path.
+  const bool bytes = type == ctx.byte_io_type;
+  if (!bytes && Py_TYPE(type) != Py_TYPE(ctx.byte_io_type)) return false;
+  if (bytes) {
+    if (ctx.count_bytes) return false;
+    is_bytes = 1;
+    size = 0;
+    return true;
+  }
+  PyObject* tensor_data = r.tensor_data.peek(item);
+  if (tensor_data == nullptr) return false;
+  PyObject* shape = ctx.global_sizing ? r.size.peek(tensor_data)
+                                      : r.sizes.peek(r.chunk.peek(tensor_data));
+  const int64_t numel = numel_of_plain_tuple(shape);
+  if (numel < 0) return false;
+  PyObject* dtype = r.dtype.peek(r.properties.peek(tensor_data));
+  if (dtype == nullptr) return false;
+  const int64_t element_size = ctx.element_sizes.find(dtype);
+  if (element_size < 0) return false;
+  const auto bytes_total = checked_mul(numel, element_size);
+  if (!bytes_total) return false;
+  is_bytes = 0;
+  size = *bytes_total;
+  return true;
+}
+
+// Any item: attributes through getattr where needed (properties, __getattr__, other classes),
+// holding references since that may run Python code. Throws on bad items.
+void read_item_generic(ItemReadContext& ctx, const py::object& item, size_t i, uint8_t& is_bytes_out,
+                       int64_t& size_out) {
+  ItemReaders& r = ctx.readers;
+  const py::object type = get_attr(r.type, item, i);
+  bool is_bytes = type.ptr() == ctx.byte_io_type;
+  if (!is_bytes && Py_TYPE(type.ptr()) != Py_TYPE(ctx.byte_io_type)) {
+    const int equal = PyObject_RichCompareBool(type.ptr(), ctx.byte_io_type, Py_EQ);
+    if (equal < 0) throw py::error_already_set();
+    is_bytes = equal == 1;
+  }
+  is_bytes_out = is_bytes;
+  size_out = 0;
+  if (is_bytes) {
+    if (ctx.count_bytes) {
+      PyObject* data = r.bytes_io_data.get(item.ptr());
+      if (data == nullptr) PyErr_Clear();
+      auto data_obj = py::reinterpret_steal<py::object>(data);
+      const py::str nbytes_attr = interned("nbytes");
+      if (data != nullptr && !data_obj.is_none() && py::hasattr(data_obj, nbytes_attr)) {
+        const auto nbytes = data_obj.attr(nbytes_attr).cast<long long>();
+        if (nbytes < 0) {
+          throw py::value_error(item_name(i) + ".bytes_io_data.nbytes must be non-negative (got " +
+                                std::to_string(nbytes) + ")");
+        }
+        size_out = nbytes;
+      }
+    }
+    return;
+  }
+  const py::object tensor_data = get_attr(r.tensor_data, item, i);
+  if (tensor_data.is_none()) {
+    throw py::value_error(item_name(i) + " is a tensor item but its tensor_data is None");
+  }
+  const int64_t numel =
+      ctx.global_sizing
+          ? numel_of(get_attr(r.size, tensor_data, i), i, "tensor_data.size")
+          : numel_of(get_attr(r.sizes, get_attr(r.chunk, tensor_data, i), i), i,
+                     "tensor_data.chunk.sizes");
+  const py::object dtype = get_attr(r.dtype, get_attr(r.properties, tensor_data, i), i);
+  const auto bytes = checked_mul(numel, ctx.element_sizes.lookup(dtype, i));
+  if (!bytes) throw py::value_error(item_name(i) + " has more than 2^63-1 bytes");
+  size_out = *bytes;
+}
 
 // Reads type and size of every item; the GIL is held. Sizes follow upstream's `_item_size`:
 // prod(shape) * element size, with shape = tensor_data.chunk.sizes (Megatron) or tensor_data.size
 // (torch DCP). With `count_bytes`, a BYTE_IO item's size is bytes_io_data.nbytes when present.
 ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
                       const py::dict& element_sizes, bool global_sizing, bool count_bytes) {
-  // Interned names make each attribute lookup a pointer comparison in the instance dict.
-  const py::str type_attr = interned("type"), tensor_data_attr = interned("tensor_data"),
-                chunk_attr = interned("chunk"), sizes_attr = interned("sizes"),
-                size_attr = interned("size"), properties_attr = interned("properties"),
-                dtype_attr = interned("dtype"), bytes_io_attr = interned("bytes_io_data"),
-                nbytes_attr = interned("nbytes");
+  ItemReadContext ctx{{}, byte_io_type.ptr(), ElementSizeCache(element_sizes), global_sizing,
+                      count_bytes};
   const size_t num_items = items.size();
   ItemArrays out;
   out.is_bytes.resize(num_items);
   out.sizes.resize(num_items);
-  PyObject* last_dtype = nullptr;  // dtypes repeat: skip the dict lookup for a run of equal ones
-  int64_t last_element_size = 0;
+  int64_t num_fast = 0;
   for (size_t i = 0; i < num_items; ++i) {
     // The GIL is held here, so Python's Ctrl-C handler runs only when asked.
     if ((i & 0xffff) == 0xffff && PyErr_CheckSignals() != 0) throw py::error_already_set();
-    py::handle item = items[i];
-    const py::object type = get_attr(item, type_attr, i);
-    bool is_bytes = type.ptr() == byte_io_type.ptr();
-    if (!is_bytes && Py_TYPE(type.ptr()) != Py_TYPE(byte_io_type.ptr())) {
-      const int equal = PyObject_RichCompareBool(type.ptr(), byte_io_type.ptr(), Py_EQ);
-      if (equal < 0) throw py::error_already_set();
-      is_bytes = equal == 1;
+    // A duck-typed item's property may run code that changes the list.
+    if (i >= static_cast<size_t>(PyList_GET_SIZE(items.ptr()))) {
+      throw py::value_error("items changed length while being read");
     }
-    out.is_bytes[i] = is_bytes;
-    if (is_bytes) {
-      if (count_bytes) {
-        PyObject* data = PyObject_GetAttr(item.ptr(), bytes_io_attr.ptr());
-        if (data == nullptr) PyErr_Clear();
-        auto data_obj = py::reinterpret_steal<py::object>(data);
-        if (data != nullptr && !data_obj.is_none() && py::hasattr(data_obj, nbytes_attr)) {
-          const auto nbytes = data_obj.attr(nbytes_attr).cast<long long>();
-          if (nbytes < 0) {
-            throw py::value_error(item_name(i) + ".bytes_io_data.nbytes must be non-negative (got " +
-                                  std::to_string(nbytes) + ")");
-          }
-          out.sizes[i] = nbytes;
-        }
-      }
+    PyObject* item = PyList_GET_ITEM(items.ptr(), i);
+    if (read_item_fast(ctx, item, out.is_bytes[i], out.sizes[i])) {
+      ++num_fast;
       continue;
     }
-    const py::object tensor_data = get_attr(item, tensor_data_attr, i);
-    if (tensor_data.is_none()) {
-      throw py::value_error(item_name(i) + " is a tensor item but its tensor_data is None");
-    }
-    const int64_t numel =
-        global_sizing ? numel_of(get_attr(tensor_data, size_attr, i), i, "tensor_data.size")
-                      : numel_of(get_attr(get_attr(tensor_data, chunk_attr, i), sizes_attr, i), i,
-                                 "tensor_data.chunk.sizes");
-    const py::object dtype = get_attr(get_attr(tensor_data, properties_attr, i), dtype_attr, i);
-    if (dtype.ptr() != last_dtype) {
-      PyObject* size = PyDict_GetItemWithError(element_sizes.ptr(), dtype.ptr());
-      if (size == nullptr) {
-        if (PyErr_Occurred()) PyErr_Clear();
-        throw py::value_error(item_name(i) + " has an unknown dtype (got " +
-                              std::string(py::repr(dtype)) + ")");
-      }
-      last_dtype = dtype.ptr();  // dtypes are interned singletons kept alive by the dict
-      last_element_size = py::reinterpret_borrow<py::int_>(size).cast<int64_t>();
-    }
-    const auto bytes = checked_mul(numel, last_element_size);
-    if (!bytes) throw py::value_error(item_name(i) + " has more than 2^63-1 bytes");
-    out.sizes[i] = *bytes;
+    read_item_generic(ctx, py::reinterpret_borrow<py::object>(item), i, out.is_bytes[i],
+                      out.sizes[i]);
   }
+  g_fast_items += num_fast;
   return out;
 }
 
@@ -212,6 +342,15 @@ void register_checkpoint(py::module_& m) {
   m.def("checkpoint_assign_bins", &assign_bins, py::arg("is_bytes").noconvert(),
         py::arg("sizes").noconvert(), py::arg("bins"), py::arg("refined"),
         "Returns (bin_idx, order, bin_offsets, bin_bytes) int64 arrays.");
+  m.def(
+      "checkpoint_read_counts",
+      [] {
+        const AttrReadCounts counts = take_attr_read_counts();
+        const int64_t fast_items = std::exchange(g_fast_items, 0);
+        return py::make_tuple(fast_items, counts.fast, counts.generic);
+      },
+      "Returns and resets (fast_items, fast_attrs, generic_attrs): items read without getattr, and "
+      "attributes of the other items read from inline values / by getattr.");
 }
 
 }  // namespace trainfast::bindings

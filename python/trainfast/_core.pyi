@@ -16,6 +16,7 @@ def checkpoint_write_item_sizes(
 def checkpoint_assign_bins(
     is_bytes: npt.NDArray[np.uint8], sizes: npt.NDArray[np.int64], bins: int, refined: bool
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+def checkpoint_read_counts() -> tuple[int, int, int]: ...
 
 # --- buckets (csrc/bindings/buckets.cpp) ---
 _I64 = npt.NDArray[np.int64]
