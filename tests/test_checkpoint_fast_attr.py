@@ -9,6 +9,7 @@ checks that sizes and bins equal the oracle's, which reads everything through pl
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import sys
 import types
@@ -254,3 +255,70 @@ def test_item_list_emptied_while_reading():
     items += [Clears(), tensor_item("b", (2,)), byte_item("c")]
     with pytest.raises(ValueError, match="changed length"):
         checkpoint.split_by_size_and_type(2, items)
+
+
+# --- large plans: runs of plain items are read on worker threads ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def large_plan():
+    from trainfast._examples import many_write_items
+
+    return many_write_items(80_000)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_large_plan_with_changed_items_matches_the_oracle(large_plan, seed):
+    rng = random.Random(seed)
+    items = list(large_plan)
+    for idx in sorted(rng.sample(range(len(items)), 12)) + [40_000, 70_001]:
+        items[idx] = copy_item(items[idx])
+        rng.choice(MUTATIONS)(items[idx], rng)
+    expected = oracle_sizes(items, "chunk")
+    for num_threads in (1, 2, 3):
+        read_counts()
+        is_bytes, sizes = checkpoint.write_item_sizes(items, num_threads=num_threads)
+        assert (is_bytes.tolist(), sizes.tolist()) == expected
+        if FAST_PATH:
+            assert read_counts()[0] >= len(items) - 100
+    got = checkpoint.split_by_size_and_type(8, items, num_threads=2)
+    assert names(got) == names(ref.split_by_size_and_type(8, items, "chunk"))
+
+
+def copy_item(item):
+    """A deep copy (the fixture's items are shared between tests)."""
+    import copy
+
+    return copy.deepcopy(item)
+
+
+def test_large_plan_class_changed_while_reading(large_plan):
+    class Trigger:
+        @property
+        def dtype(self):
+            TensorWriteData.chunk = property(lambda self: ChunkStorageMetadata(torch.Size((0,)), torch.Size((3,))))
+            return torch.bfloat16
+
+    items = list(large_plan)
+    trigger_idx = 50_000
+    while items[trigger_idx].tensor_data is None:
+        trigger_idx += 1
+    items[trigger_idx] = copy_item(items[trigger_idx])
+    object.__setattr__(items[trigger_idx].tensor_data, "properties", Trigger())
+    before = oracle_sizes(items[:trigger_idx], "chunk")
+    # The trigger's own chunk is read before its dtype, so before the property exists.
+    trigger_size = math.prod(items[trigger_idx].tensor_data.chunk.sizes) * 2
+    try:
+        is_bytes, sizes = checkpoint.write_item_sizes(items, num_threads=2)
+        after = oracle_sizes(items[trigger_idx:], "chunk")  # the property is installed by now
+    finally:
+        del TensorWriteData.chunk
+    assert is_bytes.tolist() == before[0] + after[0]
+    assert sizes.tolist() == before[1] + [trigger_size] + after[1][1:]
+    assert set(after[1][1:]) <= {0, 6, 12}  # 3 elements of bf16 or fp32
+
+
+@pytest.mark.parametrize("num_threads", [0, -1, 1.5, "2"])
+def test_bad_num_threads(num_threads):
+    with pytest.raises((ValueError, TypeError), match="num_threads"):
+        checkpoint.split_by_size_and_type(2, [byte_item("a")], num_threads=num_threads)

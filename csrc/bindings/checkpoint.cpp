@@ -1,5 +1,7 @@
 // Bindings for checkpoint write-item binning: reads WriteItem objects (or arrays), calls the core.
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <string>
 #include <utility>
 
@@ -93,15 +95,11 @@ class ElementSizeCache {
     }
   }
 
-  // The size of `dtype` when it is a known object, else -1; reads only (no Python code).
-  int64_t find(PyObject* dtype) {
-    if (dtype == last_dtype_) return last_size_;
+  // The size of `dtype` when it is a known object, else -1; reads only (no Python code, so worker
+  // threads may call it while the caller holds the GIL).
+  int64_t find(PyObject* dtype) const {
     for (const auto& [held, size] : entries_) {
-      if (held.ptr() == dtype) {
-        last_dtype_ = dtype;
-        last_size_ = size;
-        return size;
-      }
+      if (held.ptr() == dtype) return size;
     }
     return -1;
   }
@@ -130,8 +128,12 @@ class ElementSizeCache {
 
   const py::dict& element_sizes_;
   std::vector<std::pair<py::object, int64_t>> entries_;
-  PyObject* last_dtype_ = nullptr;  // one of entries_, which hold it
-  int64_t last_size_ = 0;
+};
+
+// The last dtype found (one per thread): plans list long runs of one dtype.
+struct LastDtype {
+  PyObject* dtype = nullptr;  // held by the ElementSizeCache
+  int64_t size = 0;
 };
 
 // prod(shape) when `shape` is a tuple (torch.Size) of exact ints that fit, else -1 (overflow,
@@ -152,6 +154,13 @@ int64_t numel_of_plain_tuple(PyObject* shape) {
   return numel;
 }
 
+// Parallel reading: after this many items in a row read fast; chunks between Ctrl-C checks; blocks
+// claimed by a thread; below this many items threads are not worth starting.
+constexpr size_t kFastRunBeforeParallel = 64;
+constexpr size_t kParallelReadChunk = size_t{1} << 19;
+constexpr int64_t kParallelReadBlock = 4096;
+constexpr size_t kMinParallelRead = 32768;
+
 int64_t g_fast_items = 0;  // items read by read_item_fast since the last checkpoint_read_counts()
 
 struct ItemReadContext {
@@ -164,9 +173,11 @@ struct ItemReadContext {
 
 // The common case without a single reference count change (each one dirties a cache line of a
 // different object): every attribute comes from inline values, the shape is plain ints, the dtype
-// is cached. Nothing here can run Python code, so the borrowed pointers stay valid. Returns false,
-// with nothing written, when the item needs read_item_generic.
-bool read_item_fast(ItemReadContext& ctx, PyObject* item, uint8_t& is_bytes, int64_t& size) {
+// is cached. Nothing here can run Python code or write to any object, so the borrowed pointers stay
+// valid, and worker threads may run it while the calling thread holds the GIL (no Python code can
+// run anywhere then). Returns false, with nothing written, when the item needs read_item_generic.
+bool read_item_fast(const ItemReadContext& ctx, LastDtype& last, PyObject* item, uint8_t& is_bytes,
+                    int64_t& size) {
   const ItemReaders& r = ctx.readers;
   PyObject* type = r.type.peek(item);
   if (type == nullptr) return false;
@@ -187,8 +198,12 @@ bool read_item_fast(ItemReadContext& ctx, PyObject* item, uint8_t& is_bytes, int
   if (numel < 0) return false;
   PyObject* dtype = r.dtype.peek(r.properties.peek(tensor_data));
   if (dtype == nullptr) return false;
-  const int64_t element_size = ctx.element_sizes.find(dtype);
-  if (element_size < 0) return false;
+  if (dtype != last.dtype) {
+    const int64_t found = ctx.element_sizes.find(dtype);
+    if (found < 0) return false;
+    last = {dtype, found};
+  }
+  const int64_t element_size = last.size;
   const auto bytes_total = checked_mul(numel, element_size);
   if (!bytes_total) return false;
   is_bytes = 0;
@@ -242,11 +257,38 @@ void read_item_generic(ItemReadContext& ctx, const py::object& item, size_t i, u
   size_out = *bytes;
 }
 
+// read_item_fast over items [begin, end) on `num_threads` threads while this thread holds the GIL;
+// returns the first item it could not read (or `end`): everything before it is read.
+size_t read_fast_in_parallel(const ItemReadContext& ctx, PyObject* list, size_t begin, size_t end,
+                             int num_threads, ItemArrays& out) {
+  std::atomic<size_t> first_failure{end};
+  parallel_for(
+      static_cast<int64_t>(end - begin), kParallelReadBlock, num_threads,
+      [&](int64_t block_begin, int64_t block_end) {
+        const size_t lo = begin + static_cast<size_t>(block_begin);
+        const size_t hi = begin + static_cast<size_t>(block_end);
+        if (first_failure.load(std::memory_order_relaxed) < lo) return;  // read serially anyway
+        LastDtype last;
+        for (size_t i = lo; i < hi; ++i) {
+          if (!read_item_fast(ctx, last, PyList_GET_ITEM(list, i), out.is_bytes[i], out.sizes[i])) {
+            size_t seen = first_failure.load();
+            while (i < seen && !first_failure.compare_exchange_weak(seen, i)) {
+            }
+            return;
+          }
+        }
+      },
+      nullptr);  // no Ctrl-C polling inside: it would run Python code while workers read objects
+  return first_failure.load();
+}
+
 // Reads type and size of every item; the GIL is held. Sizes follow upstream's `_item_size`:
 // prod(shape) * element size, with shape = tensor_data.chunk.sizes (Megatron) or tensor_data.size
 // (torch DCP). With `count_bytes`, a BYTE_IO item's size is bytes_io_data.nbytes when present.
+// Items are read in order; runs of plain items go to worker threads, which only read memory.
 ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
-                      const py::dict& element_sizes, bool global_sizing, bool count_bytes) {
+                      const py::dict& element_sizes, bool global_sizing, bool count_bytes,
+                      int num_threads) {
   ItemReadContext ctx{{}, byte_io_type.ptr(), ElementSizeCache(element_sizes), global_sizing,
                       count_bytes};
   const size_t num_items = items.size();
@@ -254,20 +296,35 @@ ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
   out.is_bytes.resize(num_items);
   out.sizes.resize(num_items);
   int64_t num_fast = 0;
-  for (size_t i = 0; i < num_items; ++i) {
-    // The GIL is held here, so Python's Ctrl-C handler runs only when asked.
-    if ((i & 0xffff) == 0xffff && PyErr_CheckSignals() != 0) throw py::error_already_set();
+  size_t fast_run = 0;  // consecutive items read fast: the readers know the classes by now
+  LastDtype last;
+  size_t i = 0;
+  while (i < num_items) {
     // A duck-typed item's property may run code that changes the list.
-    if (i >= static_cast<size_t>(PyList_GET_SIZE(items.ptr()))) {
-      throw py::value_error("items changed length while being read");
-    }
-    PyObject* item = PyList_GET_ITEM(items.ptr(), i);
-    if (read_item_fast(ctx, item, out.is_bytes[i], out.sizes[i])) {
-      ++num_fast;
+    const auto list_size = static_cast<size_t>(PyList_GET_SIZE(items.ptr()));
+    if (i >= list_size) throw py::value_error("items changed length while being read");
+    if (num_threads > 1 && fast_run >= kFastRunBeforeParallel &&
+        num_items - i >= kMinParallelRead) {
+      // The GIL is held here, so Python's Ctrl-C handler runs only when asked.
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+      const size_t end = std::min({num_items, list_size, i + kParallelReadChunk});
+      const size_t stop = read_fast_in_parallel(ctx, items.ptr(), i, end, num_threads, out);
+      num_fast += static_cast<int64_t>(stop - i);
+      i = stop;
+      if (stop < end) fast_run = 0;  // item `stop` needs the serial path
       continue;
     }
-    read_item_generic(ctx, py::reinterpret_borrow<py::object>(item), i, out.is_bytes[i],
-                      out.sizes[i]);
+    if ((i & 0xffff) == 0xffff && PyErr_CheckSignals() != 0) throw py::error_already_set();
+    PyObject* item = PyList_GET_ITEM(items.ptr(), i);
+    if (read_item_fast(ctx, last, item, out.is_bytes[i], out.sizes[i])) {
+      ++num_fast;
+      ++fast_run;
+    } else {
+      fast_run = 0;
+      read_item_generic(ctx, py::reinterpret_borrow<py::object>(item), i, out.is_bytes[i],
+                        out.sizes[i]);
+    }
+    ++i;
   }
   g_fast_items += num_fast;
   return out;
@@ -282,10 +339,12 @@ checkpoint::BinPlan plan_without_gil(const std::vector<uint8_t>& is_bytes,
 }
 
 py::list split_write_items(const py::list& items, int64_t bins, const py::object& byte_io_type,
-                           const py::dict& element_sizes, bool global_sizing, bool refined) {
+                           const py::dict& element_sizes, bool global_sizing, bool refined,
+                           int num_threads) {
   // Per bin: an empty list object with its GC header (72), its slot in `out` (8), core tables (16).
   check_output_fits("split_by_size_and_type: the list of bins", bins, 96);
-  ItemArrays arrays = read_items(items, byte_io_type, element_sizes, global_sizing, refined);
+  ItemArrays arrays =
+      read_items(items, byte_io_type, element_sizes, global_sizing, refined, num_threads);
   const checkpoint::BinPlan plan = plan_without_gil(arrays.is_bytes, arrays.sizes, bins, refined);
   py::list out(bins);
   std::vector<PyObject*> bin_lists(bins);
@@ -309,8 +368,10 @@ py::list split_write_items(const py::list& items, int64_t bins, const py::object
 }
 
 py::tuple write_item_sizes(const py::list& items, const py::object& byte_io_type,
-                           const py::dict& element_sizes, bool global_sizing, bool count_bytes) {
-  ItemArrays arrays = read_items(items, byte_io_type, element_sizes, global_sizing, count_bytes);
+                           const py::dict& element_sizes, bool global_sizing, bool count_bytes,
+                           int num_threads) {
+  ItemArrays arrays =
+      read_items(items, byte_io_type, element_sizes, global_sizing, count_bytes, num_threads);
   return py::make_tuple(to_numpy(std::move(arrays.is_bytes)), to_numpy(std::move(arrays.sizes)));
 }
 
@@ -334,11 +395,11 @@ py::tuple assign_bins(const CArray<uint8_t>& is_bytes, const CArray<int64_t>& si
 void register_checkpoint(py::module_& m) {
   m.def("checkpoint_split_write_items", &split_write_items, py::arg("items"), py::arg("bins"),
         py::arg("byte_io_type"), py::arg("element_sizes"), py::arg("global_sizing"),
-        py::arg("refined"),
+        py::arg("refined"), py::arg("num_threads"),
         "Bins WriteItem objects; returns a list of `bins` lists of the same objects.");
   m.def("checkpoint_write_item_sizes", &write_item_sizes, py::arg("items"),
         py::arg("byte_io_type"), py::arg("element_sizes"), py::arg("global_sizing"),
-        py::arg("count_bytes"), "Returns (is_bytes uint8[n], sizes int64[n]) of WriteItem objects.");
+        py::arg("count_bytes"), py::arg("num_threads"), "Returns (is_bytes uint8[n], sizes int64[n]) of WriteItem objects.");
   m.def("checkpoint_assign_bins", &assign_bins, py::arg("is_bytes").noconvert(),
         py::arg("sizes").noconvert(), py::arg("bins"), py::arg("refined"),
         "Returns (bin_idx, order, bin_offsets, bin_bytes) int64 arrays.");
