@@ -22,13 +22,16 @@ struct DictKeys311 {
   Py_ssize_t dk_nentries;
   // char dk_indices[] follows (a flexible array member in C)
 };
+static_assert(sizeof(void*) != 8 || sizeof(DictKeys311) == 32, "dk_indices starts at byte 32");
 struct DictUnicodeEntry311 {
   PyObject* me_key;
   PyObject* me_value;
 };
 constexpr uint8_t kDictKeysSplit = 2;
 
-// Index of `name` among the shared keys (that is, in every instance's values), or -1.
+// Index of `name` among the shared keys (that is, in every instance's values), or -1. Shared keys
+// only ever grow at the end while every values array is at least as long as the table was usable,
+// so an index below dk_nentries stays valid and in bounds for every instance of the class.
 Py_ssize_t shared_key_index(const DictKeys311* keys, PyObject* name) {
   if (keys->dk_kind != kDictKeysSplit) return -1;
   const char* indices = reinterpret_cast<const char*>(keys) + sizeof(DictKeys311);
@@ -37,9 +40,9 @@ Py_ssize_t shared_key_index(const DictKeys311* keys, PyObject* name) {
   for (Py_ssize_t i = 0; i < keys->dk_nentries; ++i) {
     PyObject* key = entries[i].me_key;
     if (key == name) return i;
-    // Shared keys are unique exact str; names are usually interned, compare by value otherwise.
+    // Shared keys are unique exact str; names are usually interned, compare by value otherwise
+    // (two exact str never raise here).
     if (key != nullptr && PyUnicode_CheckExact(key) && PyUnicode_Compare(key, name) == 0) return i;
-    if (PyErr_Occurred()) PyErr_Clear();
   }
   return -1;
 }

@@ -60,8 +60,9 @@ class AttrReader {
     return get_generic(obj);
   }
 
-  // obj.name when the fast path applies, else nullptr: reads memory only (no reference is taken
-  // and no Python code runs), for prefetching ahead of get(). `obj` may be nullptr.
+  // obj.name when the fast path applies, else nullptr: reads memory only (no reference is taken,
+  // no Python code runs, nothing is written), so other threads may call it while the GIL's holder
+  // waits for them. The result is borrowed: valid until Python code runs. `obj` may be nullptr.
   PyObject* peek(PyObject* obj) const {
     PyObject* const* slot = slot_of(obj);
     return slot != nullptr ? *slot : nullptr;
