@@ -14,8 +14,10 @@
 
 #include <cstdint>
 
-// The inline-values layout read below is CPython 3.11's; other versions always use PyObject_GetAttr.
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API)
+// The inline-values layout read below is CPython 3.11's; other versions (and PyPy, and builds
+// with -DTRAINFAST_NO_FAST_ATTR) always use PyObject_GetAttr.
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API) && \
+    !defined(PYPY_VERSION) && !defined(TRAINFAST_NO_FAST_ATTR)
 #define TRAINFAST_FAST_ATTR 1
 #else
 #define TRAINFAST_FAST_ATTR 0
@@ -76,6 +78,8 @@ class AttrReader {
       PyObject* const* values = reinterpret_cast<PyObject* const* const*>(obj)[-4];
       if (values != nullptr) return values + index_;
     }
+#else
+    (void)obj;
 #endif
     return nullptr;
   }
