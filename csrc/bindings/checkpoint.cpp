@@ -1,8 +1,12 @@
 // Bindings for checkpoint write-item binning: reads WriteItem objects (or arrays), calls the core.
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <string>
 #include <utility>
 
 #include "bindings/common.h"
+#include "bindings/fast_attr.h"
 #include "checkpoint/binning.h"
 #include "common/checked_math.h"
 #include "common/memory.h"
@@ -18,11 +22,13 @@ py::str interned(const char* name) {
 
 std::string item_name(size_t idx) { return "items[" + std::to_string(idx) + "]"; }
 
-py::object get_attr(py::handle obj, const py::str& attr, size_t idx) {
-  PyObject* value = PyObject_GetAttr(obj.ptr(), attr.ptr());
+// getattr through `reader` (fast for WriteItem dataclasses); a missing attribute names the item.
+py::object get_attr(AttrReader& reader, py::handle obj, size_t idx) {
+  PyObject* value = reader.get(obj.ptr());
   if (value == nullptr) {
     PyErr_Clear();
-    throw py::type_error(item_name(idx) + " has no attribute '" + std::string(attr) +
+    throw py::type_error(item_name(idx) + " has no attribute '" +
+                         std::string(py::str(reader.name())) +
                          "' (expected a torch.distributed.checkpoint WriteItem)");
   }
   return py::reinterpret_steal<py::object>(value);
@@ -67,79 +73,260 @@ int64_t numel_of(py::handle shape, size_t idx, const char* field) {
   return numel;
 }
 
+// The attributes read from every item; each reader learns where its attribute lives.
+struct ItemReaders {
+  AttrReader type{"type"}, tensor_data{"tensor_data"}, chunk{"chunk"}, sizes{"sizes"},
+      size{"size"}, properties{"properties"}, dtype{"dtype"}, bytes_io_data{"bytes_io_data"};
+};
+
 struct ItemArrays {
   std::vector<uint8_t> is_bytes;
   std::vector<int64_t> sizes;
 };
 
+// Element size by dtype identity: every key of the element-size dict, held (so no address is
+// reused), plus dtypes that matched a key by equality. Lookups by identity are what the dict
+// itself answers first, so this gives the same sizes.
+class ElementSizeCache {
+ public:
+  explicit ElementSizeCache(const py::dict& element_sizes) : element_sizes_(element_sizes) {
+    for (const auto& [dtype, size] : element_sizes) {
+      entries_.emplace_back(py::reinterpret_borrow<py::object>(dtype), checked_size(size));
+    }
+  }
+
+  // The size of `dtype` when it is a known object, else -1; reads only (no Python code, so worker
+  // threads may call it while the caller holds the GIL).
+  int64_t find(PyObject* dtype) const {
+    for (const auto& [held, size] : entries_) {
+      if (held.ptr() == dtype) return size;
+    }
+    return -1;
+  }
+
+  // Any dtype: a dict lookup for unknown objects (may run their __hash__/__eq__).
+  int64_t lookup(const py::object& dtype, size_t idx) {
+    if (const int64_t size = find(dtype.ptr()); size >= 0) return size;
+    PyObject* size = PyDict_GetItemWithError(element_sizes_.ptr(), dtype.ptr());
+    if (size == nullptr) {
+      if (PyErr_Occurred()) PyErr_Clear();
+      throw py::value_error(item_name(idx) + " has an unknown dtype (got " +
+                            std::string(py::repr(dtype)) + ")");
+    }
+    const int64_t value = checked_size(size);
+    if (entries_.size() < kMaxEntries) entries_.emplace_back(dtype, value);
+    return value;
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 256;  // bounds the scan when many odd dtypes match keys
+  static int64_t checked_size(py::handle size) {
+    const auto value = py::cast<int64_t>(size);
+    if (value < 0) throw py::value_error("element sizes must be non-negative");
+    return value;
+  }
+
+  const py::dict& element_sizes_;
+  std::vector<std::pair<py::object, int64_t>> entries_;
+};
+
+// The last dtype found (one per thread): plans list long runs of one dtype.
+struct LastDtype {
+  PyObject* dtype = nullptr;  // held by the ElementSizeCache
+  int64_t size = 0;
+};
+
+// prod(shape) when `shape` is a tuple (torch.Size) of exact ints that fit, else -1 (overflow,
+// negative dims and everything else are left to numel_of and its errors). Reads only.
+int64_t numel_of_plain_tuple(PyObject* shape) {
+  if (shape == nullptr || !PyTuple_Check(shape)) return -1;
+  int64_t numel = 1;
+  for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); ++d) {
+    PyObject* dim = PyTuple_GET_ITEM(shape, d);
+    if (!PyLong_CheckExact(dim)) return -1;
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(dim, &overflow);  // exact int: no code runs
+    if (overflow != 0 || value < 0) return -1;
+    const auto product = checked_mul(numel, value);
+    if (!product) return -1;
+    numel = *product;
+  }
+  return numel;
+}
+
+// Parallel reading: after this many items in a row read fast; chunks between Ctrl-C checks; blocks
+// claimed by a thread; below this many items threads are not worth starting.
+constexpr size_t kFastRunBeforeParallel = 64;
+constexpr size_t kParallelReadChunk = size_t{1} << 19;
+constexpr int64_t kParallelReadBlock = 4096;
+constexpr size_t kMinParallelRead = 32768;
+
+int64_t g_fast_items = 0;  // items read by read_item_fast since the last checkpoint_read_counts()
+
+struct ItemReadContext {
+  ItemReaders readers;
+  PyObject* byte_io_type;
+  ElementSizeCache element_sizes;
+  bool global_sizing;
+  bool count_bytes;
+};
+
+// The common case without a single reference count change (each one dirties a cache line of a
+// different object): every attribute comes from inline values, the shape is plain ints, the dtype
+// is cached. Nothing here can run Python code or write to any object, so the borrowed pointers stay
+// valid, and worker threads may run it while the calling thread holds the GIL (no Python code can
+// run anywhere then). Returns false, with nothing written, when the item needs read_item_generic.
+bool read_item_fast(const ItemReadContext& ctx, LastDtype& last, PyObject* item, uint8_t& is_bytes,
+                    int64_t& size) {
+  const ItemReaders& r = ctx.readers;
+  PyObject* type = r.type.peek(item);
+  if (type == nullptr) return false;
+  // Another class than the enum's may define __eq__: that comparison is left to the generic path.
+  const bool bytes = type == ctx.byte_io_type;
+  if (!bytes && Py_TYPE(type) != Py_TYPE(ctx.byte_io_type)) return false;
+  if (bytes) {
+    if (ctx.count_bytes) return false;
+    is_bytes = 1;
+    size = 0;
+    return true;
+  }
+  PyObject* tensor_data = r.tensor_data.peek(item);
+  if (tensor_data == nullptr) return false;
+  PyObject* shape = ctx.global_sizing ? r.size.peek(tensor_data)
+                                      : r.sizes.peek(r.chunk.peek(tensor_data));
+  const int64_t numel = numel_of_plain_tuple(shape);
+  if (numel < 0) return false;
+  PyObject* dtype = r.dtype.peek(r.properties.peek(tensor_data));
+  if (dtype == nullptr) return false;
+  if (dtype != last.dtype) {
+    const int64_t found = ctx.element_sizes.find(dtype);
+    if (found < 0) return false;
+    last = {dtype, found};
+  }
+  const int64_t element_size = last.size;
+  const auto bytes_total = checked_mul(numel, element_size);
+  if (!bytes_total) return false;
+  is_bytes = 0;
+  size = *bytes_total;
+  return true;
+}
+
+// Any item: attributes through getattr where needed (properties, __getattr__, other classes),
+// holding references since that may run Python code. Throws on bad items.
+void read_item_generic(ItemReadContext& ctx, const py::object& item, size_t i, uint8_t& is_bytes_out,
+                       int64_t& size_out) {
+  ItemReaders& r = ctx.readers;
+  const py::object type = get_attr(r.type, item, i);
+  bool is_bytes = type.ptr() == ctx.byte_io_type;
+  if (!is_bytes && Py_TYPE(type.ptr()) != Py_TYPE(ctx.byte_io_type)) {
+    const int equal = PyObject_RichCompareBool(type.ptr(), ctx.byte_io_type, Py_EQ);
+    if (equal < 0) throw py::error_already_set();
+    is_bytes = equal == 1;
+  }
+  is_bytes_out = is_bytes;
+  size_out = 0;
+  if (is_bytes) {
+    if (ctx.count_bytes) {
+      PyObject* data = r.bytes_io_data.get(item.ptr());
+      if (data == nullptr) PyErr_Clear();
+      auto data_obj = py::reinterpret_steal<py::object>(data);
+      const py::str nbytes_attr = interned("nbytes");
+      if (data != nullptr && !data_obj.is_none() && py::hasattr(data_obj, nbytes_attr)) {
+        const auto nbytes = data_obj.attr(nbytes_attr).cast<long long>();
+        if (nbytes < 0) {
+          throw py::value_error(item_name(i) + ".bytes_io_data.nbytes must be non-negative (got " +
+                                std::to_string(nbytes) + ")");
+        }
+        size_out = nbytes;
+      }
+    }
+    return;
+  }
+  const py::object tensor_data = get_attr(r.tensor_data, item, i);
+  if (tensor_data.is_none()) {
+    throw py::value_error(item_name(i) + " is a tensor item but its tensor_data is None");
+  }
+  const int64_t numel =
+      ctx.global_sizing
+          ? numel_of(get_attr(r.size, tensor_data, i), i, "tensor_data.size")
+          : numel_of(get_attr(r.sizes, get_attr(r.chunk, tensor_data, i), i), i,
+                     "tensor_data.chunk.sizes");
+  const py::object dtype = get_attr(r.dtype, get_attr(r.properties, tensor_data, i), i);
+  const auto bytes = checked_mul(numel, ctx.element_sizes.lookup(dtype, i));
+  if (!bytes) throw py::value_error(item_name(i) + " has more than 2^63-1 bytes");
+  size_out = *bytes;
+}
+
+// read_item_fast over items [begin, end) on `num_threads` threads while this thread holds the GIL;
+// returns the first item it could not read (or `end`): everything before it is read.
+size_t read_fast_in_parallel(const ItemReadContext& ctx, PyObject* list, size_t begin, size_t end,
+                             int num_threads, ItemArrays& out) {
+  std::atomic<size_t> first_failure{end};
+  parallel_for(
+      static_cast<int64_t>(end - begin), kParallelReadBlock, num_threads,
+      [&](int64_t block_begin, int64_t block_end) {
+        const size_t lo = begin + static_cast<size_t>(block_begin);
+        const size_t hi = begin + static_cast<size_t>(block_end);
+        if (first_failure.load(std::memory_order_relaxed) < lo) return;  // read serially anyway
+        LastDtype last;
+        for (size_t i = lo; i < hi; ++i) {
+          if (!read_item_fast(ctx, last, PyList_GET_ITEM(list, i), out.is_bytes[i], out.sizes[i])) {
+            size_t seen = first_failure.load();
+            while (i < seen && !first_failure.compare_exchange_weak(seen, i)) {
+            }
+            return;
+          }
+        }
+      },
+      nullptr);  // no Ctrl-C polling inside: it would run Python code while workers read objects
+  return first_failure.load();
+}
+
 // Reads type and size of every item; the GIL is held. Sizes follow upstream's `_item_size`:
 // prod(shape) * element size, with shape = tensor_data.chunk.sizes (Megatron) or tensor_data.size
 // (torch DCP). With `count_bytes`, a BYTE_IO item's size is bytes_io_data.nbytes when present.
+// Items are read in order; runs of plain items go to worker threads, which only read memory.
 ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
-                      const py::dict& element_sizes, bool global_sizing, bool count_bytes) {
-  // Interned names make each attribute lookup a pointer comparison in the instance dict.
-  const py::str type_attr = interned("type"), tensor_data_attr = interned("tensor_data"),
-                chunk_attr = interned("chunk"), sizes_attr = interned("sizes"),
-                size_attr = interned("size"), properties_attr = interned("properties"),
-                dtype_attr = interned("dtype"), bytes_io_attr = interned("bytes_io_data"),
-                nbytes_attr = interned("nbytes");
+                      const py::dict& element_sizes, bool global_sizing, bool count_bytes,
+                      int num_threads) {
+  ItemReadContext ctx{{}, byte_io_type.ptr(), ElementSizeCache(element_sizes), global_sizing,
+                      count_bytes};
   const size_t num_items = items.size();
   ItemArrays out;
   out.is_bytes.resize(num_items);
   out.sizes.resize(num_items);
-  PyObject* last_dtype = nullptr;  // dtypes repeat: skip the dict lookup for a run of equal ones
-  int64_t last_element_size = 0;
-  for (size_t i = 0; i < num_items; ++i) {
-    // The GIL is held here, so Python's Ctrl-C handler runs only when asked.
-    if ((i & 0xffff) == 0xffff && PyErr_CheckSignals() != 0) throw py::error_already_set();
-    py::handle item = items[i];
-    const py::object type = get_attr(item, type_attr, i);
-    bool is_bytes = type.ptr() == byte_io_type.ptr();
-    if (!is_bytes && Py_TYPE(type.ptr()) != Py_TYPE(byte_io_type.ptr())) {
-      const int equal = PyObject_RichCompareBool(type.ptr(), byte_io_type.ptr(), Py_EQ);
-      if (equal < 0) throw py::error_already_set();
-      is_bytes = equal == 1;
-    }
-    out.is_bytes[i] = is_bytes;
-    if (is_bytes) {
-      if (count_bytes) {
-        PyObject* data = PyObject_GetAttr(item.ptr(), bytes_io_attr.ptr());
-        if (data == nullptr) PyErr_Clear();
-        auto data_obj = py::reinterpret_steal<py::object>(data);
-        if (data != nullptr && !data_obj.is_none() && py::hasattr(data_obj, nbytes_attr)) {
-          const auto nbytes = data_obj.attr(nbytes_attr).cast<long long>();
-          if (nbytes < 0) {
-            throw py::value_error(item_name(i) + ".bytes_io_data.nbytes must be non-negative (got " +
-                                  std::to_string(nbytes) + ")");
-          }
-          out.sizes[i] = nbytes;
-        }
-      }
+  int64_t num_fast = 0;
+  size_t fast_run = 0;  // consecutive items read fast: the readers know the classes by now
+  LastDtype last;
+  size_t i = 0;
+  while (i < num_items) {
+    // A duck-typed item's property may run code that changes the list.
+    const auto list_size = static_cast<size_t>(PyList_GET_SIZE(items.ptr()));
+    if (i >= list_size) throw py::value_error("items changed length while being read");
+    if (num_threads > 1 && fast_run >= kFastRunBeforeParallel &&
+        num_items - i >= kMinParallelRead) {
+      // The GIL is held here, so Python's Ctrl-C handler runs only when asked.
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+      const size_t end = std::min({num_items, list_size, i + kParallelReadChunk});
+      const size_t stop = read_fast_in_parallel(ctx, items.ptr(), i, end, num_threads, out);
+      num_fast += static_cast<int64_t>(stop - i);
+      i = stop;
+      if (stop < end) fast_run = 0;  // item `stop` needs the serial path
       continue;
     }
-    const py::object tensor_data = get_attr(item, tensor_data_attr, i);
-    if (tensor_data.is_none()) {
-      throw py::value_error(item_name(i) + " is a tensor item but its tensor_data is None");
+    if ((i & 0xffff) == 0xffff && PyErr_CheckSignals() != 0) throw py::error_already_set();
+    PyObject* item = PyList_GET_ITEM(items.ptr(), i);
+    if (read_item_fast(ctx, last, item, out.is_bytes[i], out.sizes[i])) {
+      ++num_fast;
+      ++fast_run;
+    } else {
+      fast_run = 0;
+      read_item_generic(ctx, py::reinterpret_borrow<py::object>(item), i, out.is_bytes[i],
+                        out.sizes[i]);
     }
-    const int64_t numel =
-        global_sizing ? numel_of(get_attr(tensor_data, size_attr, i), i, "tensor_data.size")
-                      : numel_of(get_attr(get_attr(tensor_data, chunk_attr, i), sizes_attr, i), i,
-                                 "tensor_data.chunk.sizes");
-    const py::object dtype = get_attr(get_attr(tensor_data, properties_attr, i), dtype_attr, i);
-    if (dtype.ptr() != last_dtype) {
-      PyObject* size = PyDict_GetItemWithError(element_sizes.ptr(), dtype.ptr());
-      if (size == nullptr) {
-        if (PyErr_Occurred()) PyErr_Clear();
-        throw py::value_error(item_name(i) + " has an unknown dtype (got " +
-                              std::string(py::repr(dtype)) + ")");
-      }
-      last_dtype = dtype.ptr();  // dtypes are interned singletons kept alive by the dict
-      last_element_size = py::reinterpret_borrow<py::int_>(size).cast<int64_t>();
-    }
-    const auto bytes = checked_mul(numel, last_element_size);
-    if (!bytes) throw py::value_error(item_name(i) + " has more than 2^63-1 bytes");
-    out.sizes[i] = *bytes;
+    ++i;
   }
+  g_fast_items += num_fast;
   return out;
 }
 
@@ -152,10 +339,12 @@ checkpoint::BinPlan plan_without_gil(const std::vector<uint8_t>& is_bytes,
 }
 
 py::list split_write_items(const py::list& items, int64_t bins, const py::object& byte_io_type,
-                           const py::dict& element_sizes, bool global_sizing, bool refined) {
+                           const py::dict& element_sizes, bool global_sizing, bool refined,
+                           int num_threads) {
   // Per bin: an empty list object with its GC header (72), its slot in `out` (8), core tables (16).
   check_output_fits("split_by_size_and_type: the list of bins", bins, 96);
-  ItemArrays arrays = read_items(items, byte_io_type, element_sizes, global_sizing, refined);
+  ItemArrays arrays =
+      read_items(items, byte_io_type, element_sizes, global_sizing, refined, num_threads);
   const checkpoint::BinPlan plan = plan_without_gil(arrays.is_bytes, arrays.sizes, bins, refined);
   py::list out(bins);
   std::vector<PyObject*> bin_lists(bins);
@@ -179,8 +368,10 @@ py::list split_write_items(const py::list& items, int64_t bins, const py::object
 }
 
 py::tuple write_item_sizes(const py::list& items, const py::object& byte_io_type,
-                           const py::dict& element_sizes, bool global_sizing, bool count_bytes) {
-  ItemArrays arrays = read_items(items, byte_io_type, element_sizes, global_sizing, count_bytes);
+                           const py::dict& element_sizes, bool global_sizing, bool count_bytes,
+                           int num_threads) {
+  ItemArrays arrays =
+      read_items(items, byte_io_type, element_sizes, global_sizing, count_bytes, num_threads);
   return py::make_tuple(to_numpy(std::move(arrays.is_bytes)), to_numpy(std::move(arrays.sizes)));
 }
 
@@ -204,14 +395,23 @@ py::tuple assign_bins(const CArray<uint8_t>& is_bytes, const CArray<int64_t>& si
 void register_checkpoint(py::module_& m) {
   m.def("checkpoint_split_write_items", &split_write_items, py::arg("items"), py::arg("bins"),
         py::arg("byte_io_type"), py::arg("element_sizes"), py::arg("global_sizing"),
-        py::arg("refined"),
+        py::arg("refined"), py::arg("num_threads"),
         "Bins WriteItem objects; returns a list of `bins` lists of the same objects.");
   m.def("checkpoint_write_item_sizes", &write_item_sizes, py::arg("items"),
         py::arg("byte_io_type"), py::arg("element_sizes"), py::arg("global_sizing"),
-        py::arg("count_bytes"), "Returns (is_bytes uint8[n], sizes int64[n]) of WriteItem objects.");
+        py::arg("count_bytes"), py::arg("num_threads"), "Returns (is_bytes uint8[n], sizes int64[n]) of WriteItem objects.");
   m.def("checkpoint_assign_bins", &assign_bins, py::arg("is_bytes").noconvert(),
         py::arg("sizes").noconvert(), py::arg("bins"), py::arg("refined"),
         "Returns (bin_idx, order, bin_offsets, bin_bytes) int64 arrays.");
+  m.def(
+      "checkpoint_read_counts",
+      [] {
+        const AttrReadCounts counts = take_attr_read_counts();
+        const int64_t fast_items = std::exchange(g_fast_items, 0);
+        return py::make_tuple(fast_items, counts.fast, counts.generic);
+      },
+      "Returns and resets (fast_items, fast_attrs, generic_attrs): items read without getattr, and "
+      "attributes of the other items read from inline values / by getattr.");
 }
 
 }  // namespace trainfast::bindings

@@ -118,9 +118,13 @@ void greedy_assign(const SortedItems& sorted, std::vector<int64_t>& bin_load,
     std::copy(bin_load.begin(), bin_load.end(), load.begin());
     for (size_t k = 0; k < num_sorted; ++k) {
       if (k % kPollEvery == 0) poll(interrupt);
+      // Branch-free (conditional moves): which bin is lightest is unpredictable.
       int64_t best = 0;
+      int64_t best_load = load[0];
       for (int64_t b = 1; b < num_bins; ++b) {
-        if (load[b] < load[best]) best = b;
+        const bool lighter = load[b] < best_load;
+        best_load = lighter ? load[b] : best_load;
+        best = lighter ? b : best;
       }
       bin_idx[sorted.idx[k]] = best;
       load[best] += sorted.size[k];

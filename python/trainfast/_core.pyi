@@ -8,14 +8,26 @@ import numpy.typing as npt
 
 # --- checkpoint (csrc/bindings/checkpoint.cpp) ---
 def checkpoint_split_write_items(
-    items: list[Any], bins: int, byte_io_type: Any, element_sizes: dict[Any, int], global_sizing: bool, refined: bool
+    items: list[Any],
+    bins: int,
+    byte_io_type: Any,
+    element_sizes: dict[Any, int],
+    global_sizing: bool,
+    refined: bool,
+    num_threads: int,
 ) -> list[list[Any]]: ...
 def checkpoint_write_item_sizes(
-    items: list[Any], byte_io_type: Any, element_sizes: dict[Any, int], global_sizing: bool, count_bytes: bool
+    items: list[Any],
+    byte_io_type: Any,
+    element_sizes: dict[Any, int],
+    global_sizing: bool,
+    count_bytes: bool,
+    num_threads: int,
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]: ...
 def checkpoint_assign_bins(
     is_bytes: npt.NDArray[np.uint8], sizes: npt.NDArray[np.int64], bins: int, refined: bool
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+def checkpoint_read_counts() -> tuple[int, int, int]: ...
 
 # --- buckets (csrc/bindings/buckets.cpp) ---
 _I64 = npt.NDArray[np.int64]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 from trainfast import _core
-from trainfast._util import as_array, check_choice, check_int, to_tensor
+from trainfast._util import as_array, check_choice, check_int, resolve_num_threads, to_tensor
 
 __all__ = [
     "BinAssignment",
@@ -80,7 +80,12 @@ def _check_items(items: Any) -> list:
 
 
 def split_by_size_and_type(
-    bins: int, items: list, *, sizing: Sizing = "chunk", balance: Balance = "upstream"
+    bins: int,
+    items: list,
+    *,
+    sizing: Sizing = "chunk",
+    balance: Balance = "upstream",
+    num_threads: int | None = None,
 ) -> list[list]:
     """Splits WriteItems into ``bins`` lists, exactly as upstream's ``_split_by_size_and_type``.
 
@@ -92,6 +97,8 @@ def split_by_size_and_type(
         sizing: ``"chunk"`` (Megatron's ``_item_size``) or ``"global"`` (torch DCP's).
         balance: ``"upstream"`` (identical result) or ``"refined"`` (byte sizes counted when known,
             then greedy moves/swaps out of the heaviest bin; never a heavier maximum bin).
+        num_threads: threads reading the items (default: $TRAINFAST_NUM_THREADS or the available
+            cores); the result does not depend on it.
 
     Returns:
         ``bins`` lists of the same item objects; with ``bins == 1``, ``[items]`` as upstream.
@@ -99,26 +106,29 @@ def split_by_size_and_type(
     bins = check_int(bins, "bins", min_value=1)
     check_choice(sizing, "sizing", _SIZINGS)
     check_choice(balance, "balance", _BALANCES)
+    threads = resolve_num_threads(num_threads)
     item_list = _check_items(items)
     binned = _core.checkpoint_split_write_items(
-        item_list, bins, _byte_io_type(), _element_sizes(), sizing == "global", balance == "refined"
+        item_list, bins, _byte_io_type(), _element_sizes(), sizing == "global", balance == "refined", threads
     )
     return [items] if bins == 1 else binned
 
 
 def write_item_sizes(
-    items: list, *, sizing: Sizing = "chunk", count_bytes: bool = False
+    items: list, *, sizing: Sizing = "chunk", count_bytes: bool = False, num_threads: int | None = None
 ) -> tuple[Any, Any]:
     """Returns ``(is_bytes, sizes)`` of WriteItems: bool `[n]` and int64 `[n]` CPU tensors.
 
     Tensor sizes are ``prod(shape) * element_size`` as upstream's ``_item_size``; a BYTE_IO item's
-    size is ``bytes_io_data.nbytes`` when ``count_bytes`` and known, else 0.
+    size is ``bytes_io_data.nbytes`` when ``count_bytes`` and known, else 0. ``num_threads`` as
+    in :func:`split_by_size_and_type`.
     """
     import torch
 
     check_choice(sizing, "sizing", _SIZINGS)
+    threads = resolve_num_threads(num_threads)
     is_bytes, sizes = _core.checkpoint_write_item_sizes(
-        _check_items(items), _byte_io_type(), _element_sizes(), sizing == "global", bool(count_bytes)
+        _check_items(items), _byte_io_type(), _element_sizes(), sizing == "global", bool(count_bytes), threads
     )
     return to_tensor(is_bytes).view(torch.bool), to_tensor(sizes)
 
