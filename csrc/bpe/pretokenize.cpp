@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <barrier>
 #include <cerrno>
 #include <cstring>
 #include <exception>
@@ -585,6 +584,8 @@ class CountTable {
     uint64_t w0, w1, meta;
   };
 
+  static constexpr size_t kNotFound = static_cast<size_t>(-1);
+
   CountTable() { reset(kInitialBits); }
 
   // `readable`: bytes readable from `data` (>= len); with 16 the short words take two plain loads.
@@ -611,18 +612,16 @@ class CountTable {
     return key;
   }
 
-  // Which of `num_parts` tables owns a key. The tag is remixed first (an odd multiplier permutes
-  // 32-bit words), so the keys of one part still spread their home slots (the tag's top bits)
-  // over the whole of their table.
-  [[gnu::always_inline]] static inline uint32_t part_of(const Key& key, uint32_t num_parts) {
-    const uint32_t mixed = static_cast<uint32_t>(key.meta >> 32) * 0x9E3779B1u;
-    return static_cast<uint32_t>((uint64_t{mixed} * num_parts) >> 32);
+  [[gnu::always_inline]] inline void prefetch(uint64_t meta) const { __builtin_prefetch(&slots_[home(meta)]); }
+  // The same for a key's slot and first position, for a lookup (its slot is almost always its home).
+  void prefetch_lookup(uint64_t meta) const {
+    __builtin_prefetch(&slots_[home(meta)]);
+    __builtin_prefetch(&positions_[home(meta)]);
   }
+  void prefetch_position(size_t idx) const { __builtin_prefetch(&positions_[idx]); }
 
-  [[gnu::always_inline]] inline void prefetch(const Key& key) const { __builtin_prefetch(&slots_[home(key.meta)]); }
-
-  // Counts one occurrence at stream position `pos`. Keys come in increasing position order, so
-  // insertion order is first-occurrence order.
+  // Counts one occurrence at stream position `pos`. A worker counts its chunks in stream order,
+  // so a key's first add has its first position, and insertion order is first-position order.
   [[gnu::always_inline]] inline void add(const Key& key, int64_t pos) {
     const uint32_t len = static_cast<uint32_t>(key.meta);
     for (size_t idx = home(key.meta);; idx = (idx + 1) & mask_) {
@@ -640,10 +639,25 @@ class CountTable {
     }
   }
 
+  // The slot of `other`'s key `slot` in this table, or kNotFound.
+  size_t find(const Slot& slot, const CountTable& other) const {
+    const uint32_t len = slot.len();
+    for (size_t idx = home(slot.meta);; idx = (idx + 1) & mask_) {
+      const Slot& mine = slots_[idx];
+      if (mine.count == 0) return kNotFound;
+      if (mine.meta == slot.meta && mine.w0 == slot.w0 &&
+          (len <= kInlineBytes ? mine.w1 == slot.w1
+                               : std::memcmp(arena_.data() + mine.w1, other.arena_.data() + slot.w1, len) == 0)) {
+        return idx;
+      }
+    }
+  }
+
   size_t size() const { return order_.size(); }
-  // Entry k in insertion (= first-occurrence) order, and its first position (increasing in k).
-  const Slot& entry(size_t k) const { return slots_[order_[k]]; }
-  const std::vector<int64_t>& first_positions() const { return first_positions_; }
+  const Slot& slot(size_t idx) const { return slots_[idx]; }
+  int64_t first_position(size_t idx) const { return positions_[idx]; }
+  // The slot of entry k in insertion (= first-occurrence) order.
+  size_t slot_of_entry(size_t k) const { return order_[k]; }
 
   // The key bytes of a slot: inline ones are read in place (the slot is little-endian bytes).
   const uint8_t* key_bytes(const Slot& slot) const {
@@ -660,10 +674,10 @@ class CountTable {
 
   void reset(int bits) {
     UninitializedBuffer<Slot>(size_t{1} << bits, Slot{0, 0, 0, 0}).swap(slots_);
+    UninitializedBuffer<int64_t>(size_t{1} << bits).swap(positions_);
     mask_ = slots_.size() - 1;
     shift_ = 32 - bits;
     std::vector<uint32_t>().swap(order_);
-    std::vector<int64_t>().swap(first_positions_);
     std::vector<uint8_t>().swap(arena_);
   }
 
@@ -678,15 +692,17 @@ class CountTable {
     }
     slot.count = 1;
     slot.meta = key.meta;
+    positions_[idx] = pos;
     order_.push_back(static_cast<uint32_t>(idx));
-    first_positions_.push_back(pos);
     if (order_.size() * 4 > slots_.size() * 3) grow();
   }
 
   void grow() {
     if (shift_ == 0 || order_.size() >= kMaxEntries) throw std::length_error("pre-token table is full");
     UninitializedBuffer<Slot> old_slots(slots_.size() * 2, Slot{0, 0, 0, 0});
+    UninitializedBuffer<int64_t> old_positions(slots_.size() * 2);
     old_slots.swap(slots_);
+    old_positions.swap(positions_);
     --shift_;
     mask_ = slots_.size() - 1;
     for (uint32_t& slot_idx : order_) {
@@ -694,18 +710,19 @@ class CountTable {
       size_t idx = home(old.meta);
       while (slots_[idx].count != 0) idx = (idx + 1) & mask_;
       slots_[idx] = old;
+      positions_[idx] = old_positions[slot_idx];
       slot_idx = static_cast<uint32_t>(idx);
     }
   }
 
-  // Slots in huge pages: a large table is probed at random, and 4 KiB pages made most probes TLB
-  // misses as well as cache misses.
+  // Slots in huge pages: a large table is probed at random, and with 4 KiB pages most probes
+  // were TLB misses as well as cache misses.
   UninitializedBuffer<Slot> slots_;
+  UninitializedBuffer<int64_t> positions_;  // first position of each slot's key (set on insert)
   size_t mask_ = 0;
-  int shift_ = 32;                       // home = tag >> shift_; capacity 2^(32 - shift_)
-  std::vector<uint32_t> order_;          // slot of each entry, in insertion order
-  std::vector<int64_t> first_positions_; // first position of each entry, in insertion order
-  std::vector<uint8_t> arena_;           // bytes of keys longer than kInlineBytes
+  int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
+  std::vector<uint32_t> order_;     // slot of each entry, in insertion order
+  std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
 };
 
 // Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
@@ -916,7 +933,7 @@ bool is_clean_utf8(const uint8_t* s, size_t n);
 struct PretokenCounter::Impl {
   CountOptions options;
   SpecialTokenMatcher specials;
-  std::vector<CountTable> tables;  // num_threads parts of the counts (disjoint keys)
+  std::vector<CountTable> tables;  // one per worker
   int64_t stream_pos = 0;          // decoded bytes of all inputs so far: orders first occurrences
 
   explicit Impl(CountOptions opts) : options(std::move(opts)), specials(options.special_tokens) {
@@ -1034,109 +1051,52 @@ struct PretokenCounter::Impl {
     return start;
   }
 
-  // A pre-token waiting to be counted.
-  struct Pending {
-    CountTable::Key key;
-    int64_t pos;
-  };
-  // The same in 32 bytes, for buffers: a long key keeps its data pointer where a short one keeps
-  // its second word.
-  struct Packed {
-    uint64_t w0, w1_or_data, meta;
-    int64_t pos;
-    static Packed pack(const CountTable::Key& key, int64_t pos) {
-      const bool is_long = static_cast<uint32_t>(key.meta) > CountTable::kInlineBytes;
-      return {key.w0, is_long ? reinterpret_cast<uintptr_t>(key.data) : key.w1, key.meta, pos};
+  // Counts the pre-tokens of s[0:n) (stream position `pos`) into `table` through a ring of
+  // pending pre-tokens: each one's slot is prefetched kAhead pre-tokens before it is counted,
+  // which hides most cache misses of a large table.
+  template <Pattern P>
+  void count_segment(const uint8_t* s, size_t n, int64_t pos, CountTable& table) const {
+    constexpr unsigned kAhead = 16;
+    CountTable::Key keys[kAhead];
+    int64_t starts[kAhead];
+    unsigned num_pending = 0;
+    scan_pretokens<P>(s, n, [&](size_t begin, size_t end) {
+      if (end - begin > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
+      const unsigned k = num_pending % kAhead;
+      if (num_pending >= kAhead) table.add(keys[k], starts[k]);
+      keys[k] = CountTable::make_key(s + begin, static_cast<uint32_t>(end - begin), n - begin);
+      starts[k] = pos + static_cast<int64_t>(begin);
+      table.prefetch(keys[k].meta);
+      ++num_pending;
+    });
+    for (unsigned j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
+      table.add(keys[j % kAhead], starts[j % kAhead]);
     }
-    CountTable::Key key() const {
-      const bool is_long = static_cast<uint32_t>(meta) > CountTable::kInlineBytes;
-      return {is_long ? reinterpret_cast<const uint8_t*>(w1_or_data) : nullptr, w0, is_long ? 0 : w1_or_data, meta};
-    }
-  };
-  static constexpr unsigned kAhead = 16;  // pre-tokens between a slot's prefetch and its count
+  }
 
-  // Calls sink(key, position) for every pre-token of a chunk, in order (special tokens skipped).
-  template <Pattern P, typename Sink>
-  void scan_chunk_impl(const Chunk& chunk, Sink& sink) const {
-    auto segment = [&](const uint8_t* s, size_t n, int64_t pos) {
-      scan_pretokens<P>(s, n, [&](size_t begin, size_t end) {
-        if (end - begin > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
-        sink(CountTable::make_key(s + begin, static_cast<uint32_t>(end - begin), n - begin),
-             pos + static_cast<int64_t>(begin));
-      });
-    };
-    if (specials.empty()) return segment(chunk.data, chunk.size, chunk.pos);
+  template <Pattern P>
+  void count_chunk_impl(const Chunk& chunk, CountTable& table) const {
+    if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, chunk.pos, table);
     const std::string_view text(reinterpret_cast<const char*>(chunk.data), chunk.size);
     size_t i = 0;
     while (i < chunk.size) {
       const auto [start, len] = specials.find(text, i);
-      segment(chunk.data + i, start - i, chunk.pos + static_cast<int64_t>(i));
+      count_segment<P>(chunk.data + i, start - i, chunk.pos + static_cast<int64_t>(i), table);
       if (len == 0) break;
       i = start + len;
     }
   }
 
-  template <typename Sink>
-  void scan_chunk(const Chunk& chunk, Sink& sink) const {
+  void count_chunk(const Chunk& chunk, CountTable& table) const {
     switch (options.pattern) {
-      case Pattern::kGpt2: return scan_chunk_impl<Pattern::kGpt2>(chunk, sink);
-      case Pattern::kCl100k: return scan_chunk_impl<Pattern::kCl100k>(chunk, sink);
-      case Pattern::kO200k: return scan_chunk_impl<Pattern::kO200k>(chunk, sink);
+      case Pattern::kGpt2: return count_chunk_impl<Pattern::kGpt2>(chunk, table);
+      case Pattern::kCl100k: return count_chunk_impl<Pattern::kCl100k>(chunk, table);
+      case Pattern::kO200k: return count_chunk_impl<Pattern::kO200k>(chunk, table);
     }
   }
 
-  // Counts straight into the owning tables, through a ring of pending pre-tokens: each one's slot
-  // is prefetched kAhead pre-tokens before it is counted, which hides most cache misses.
-  struct DirectSink {
-    std::vector<CountTable>& tables;
-    Pending ring[kAhead] = {};
-    CountTable* ring_tables[kAhead] = {};
-    unsigned num_pending = 0;
-
-    [[gnu::always_inline]] inline void operator()(const CountTable::Key& key, int64_t pos) {
-      const unsigned k = num_pending % kAhead;
-      if (num_pending >= kAhead) ring_tables[k]->add(ring[k].key, ring[k].pos);
-      CountTable* table = tables.size() == 1 ? &tables[0]
-                                             : &tables[CountTable::part_of(key, static_cast<uint32_t>(tables.size()))];
-      ring[k] = {key, pos};
-      ring_tables[k] = table;
-      table->prefetch(key);
-      ++num_pending;
-    }
-    // Counts what is pending (before the text it points into goes away).
-    void flush() {
-      for (unsigned j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
-        ring_tables[j % kAhead]->add(ring[j % kAhead].key, ring[j % kAhead].pos);
-      }
-      num_pending = 0;
-    }
-  };
-
-  // Sorts pre-tokens into one buffer per owning table.
-  struct PartitionSink {
-    std::vector<Packed>* buffers;  // [num_parts]
-    uint32_t num_parts;
-    [[gnu::always_inline]] inline void operator()(const CountTable::Key& key, int64_t pos) {
-      buffers[CountTable::part_of(key, num_parts)].push_back(Packed::pack(key, pos));
-    }
-  };
-
-  // Counting from a buffer does little else between misses, so it prefetches further ahead.
-  static constexpr size_t kBufferAhead = 32;
-  static void count_buffer(CountTable& table, const std::vector<Packed>& buffer) {
-    const size_t n = buffer.size();
-    for (size_t i = 0; i < n; ++i) {
-      if (i + kBufferAhead < n) table.prefetch(buffer[i + kBufferAhead].key());
-      table.add(buffer[i].key(), buffer[i].pos);
-    }
-  }
-
-  // Counts chunks in parallel; consecutive small chunks are grouped into work items, in order.
-  // A pre-token is counted only in the table of its part (tables[part_of(key)]), so the tables
-  // hold disjoint keys, each inserted once, in first-occurrence order: no merging of per-thread
-  // duplicates afterwards. With several workers, each round every worker scans one item into
-  // per-part buffers, then (after a barrier) counts the buffers of the parts it owns, taking the
-  // workers' buffers in item order. Buffers are double: scanning round r + 1 overlaps counting r.
+  // Counts chunks in parallel, each worker into its own table (threads never share a cache line
+  // while counting); consecutive small chunks are grouped into work items, pulled in order.
   void count_chunks(const std::vector<Chunk>& chunks, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
     std::vector<size_t> item_starts;
     size_t bytes = 0;
@@ -1148,88 +1108,14 @@ struct PretokenCounter::Impl {
       bytes += chunks[k].size;
     }
     item_starts.push_back(chunks.size());
-    const size_t num_items = item_starts.size() - 1;
-    if (num_items == 0) return;
-    auto scan_item = [&](size_t item, auto& sink) {
+    run_workers(item_starts.size() - 1, options.num_threads, interrupt, [&](size_t item, int worker) {
       int64_t item_bytes = 0;
       for (size_t k = item_starts[item]; k < item_starts[item + 1]; ++k) {
-        scan_chunk(chunks[k], sink);
+        count_chunk(chunks[k], tables[worker]);
         item_bytes += static_cast<int64_t>(chunks[k].size);
       }
       if (bytes_done != nullptr) bytes_done->fetch_add(item_bytes, std::memory_order_relaxed);
-    };
-
-    const size_t num_workers = std::min<size_t>(static_cast<size_t>(options.num_threads), num_items);
-    if (num_workers == 1) {
-      DirectSink sink{tables};
-      for (size_t item = 0; item < num_items; ++item) {
-        if (interrupt != nullptr) interrupt->check();
-        scan_item(item, sink);
-        sink.flush();
-      }
-      return;
-    }
-
-    const auto num_parts = static_cast<uint32_t>(tables.size());
-    std::vector<std::vector<Packed>> buffers(2 * num_workers * num_parts);  // [round % 2][worker][part]
-    auto buffers_of = [&](size_t round, size_t worker) { return &buffers[((round & 1) * num_workers + worker) * num_parts]; };
-    const size_t num_rounds = (num_items + num_workers - 1) / num_workers;
-    std::atomic<bool> failed{false};
-    std::exception_ptr first_error;
-    std::mutex error_mutex;
-    auto record_error = [&] {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!first_error) first_error = std::current_exception();
-      failed.store(true);
-    };
-    bool stop = false;  // decided once per round, when every worker has arrived
-    std::barrier sync(static_cast<std::ptrdiff_t>(num_workers), [&]() noexcept { stop = failed.load(); });
-    auto work = [&](size_t worker) {
-      for (size_t round = 0; round < num_rounds; ++round) {
-        std::vector<Packed>* mine = buffers_of(round, worker);
-        const size_t item = round * num_workers + worker;
-        if (item < num_items && !failed.load(std::memory_order_relaxed)) {
-          try {
-            for (uint32_t part = 0; part < num_parts; ++part) mine[part].clear();
-            PartitionSink sink{mine, num_parts};
-            scan_item(item, sink);
-          } catch (...) {
-            record_error();
-          }
-        }
-        if (worker == 0 && interrupt != nullptr) {
-          try {
-            interrupt->check();
-          } catch (...) {
-            record_error();
-          }
-        }
-        sync.arrive_and_wait();
-        if (stop) return;
-        try {
-          const size_t num_scanned = std::min(num_workers, num_items - round * num_workers);
-          for (size_t part = worker; part < num_parts; part += num_workers) {
-            for (size_t source = 0; source < num_scanned; ++source) {
-              count_buffer(tables[part], buffers_of(round, source)[part]);
-            }
-          }
-        } catch (...) {
-          record_error();
-        }
-      }
-    };
-    std::vector<std::thread> threads;
-    for (size_t worker = 1; worker < num_workers; ++worker) {
-      try {
-        threads.emplace_back(work, worker);
-      } catch (...) {
-        record_error();
-        sync.arrive_and_drop();  // stands in for the worker that could not start
-      }
-    }
-    work(0);
-    for (auto& thread : threads) thread.join();
-    if (first_error) std::rethrow_exception(first_error);
+    });
   }
 
   // Cuts one whole document of decoded text into chunks.
@@ -1418,31 +1304,48 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
   impl.count_chunks(chunks, interrupt, bytes_done);
 }
 
-FlatPretokenCounts PretokenCounter::finish_flat() {
-  Impl& impl = *impl_;
-  const std::vector<CountTable>& tables = impl.tables;
-  const size_t num_tables = tables.size();
+namespace {
+
+// One unique pre-token of the result: its count over all tables, and its bytes in one of them.
+struct MergedKey {
+  int64_t pos;  // first position
+  int64_t count;
+  const CountTable::Slot* slot;
+  const CountTable* table;
+};
+
+// Writes `lists` (each sorted by pos, positions unique across lists) into `out` in position
+// order. Worker j takes the keys at positions in [bounds[j], bounds[j + 1]): one run of every
+// list and one contiguous run of the result, so workers never write the same cache lines.
+template <typename List>
+void write_in_position_order(const std::vector<List>& lists, int64_t end_pos, int num_threads,
+                             FlatPretokenCounts& out) {
   size_t num_entries = 0;
-  for (const CountTable& table : tables) num_entries += table.size();
-  // The tables hold disjoint keys, each in first-occurrence order, so the result is their merge
-  // by first position. Worker j writes the entries whose first position lies in
-  // [bounds[j], bounds[j + 1]): one run of each table, and one contiguous run of the result.
-  const size_t num_workers =
-      std::clamp<size_t>(num_entries / 65536, 1, static_cast<size_t>(impl.options.num_threads));
+  for (const List& list : lists) num_entries += list.size();
+  const size_t num_workers = std::clamp<size_t>(num_entries / 65536, 1, static_cast<size_t>(num_threads));
+  auto index_of = [](const List& list, int64_t pos) {
+    size_t lo = 0, hi = list.size();
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (list.pos(mid) < pos) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  };
   auto count_below = [&](int64_t pos) {
     size_t below = 0;
-    for (const CountTable& table : tables) {
-      const auto& positions = table.first_positions();
-      below += static_cast<size_t>(std::lower_bound(positions.begin(), positions.end(), pos) - positions.begin());
-    }
+    for (const List& list : lists) below += index_of(list, pos);
     return below;
   };
   std::vector<int64_t> bounds(num_workers + 1, 0);
   bounds[num_workers] = std::numeric_limits<int64_t>::max();
   for (size_t j = 1; j < num_workers; ++j) {
-    // The smallest position with at least j/num_workers of the entries below it.
+    // The smallest position with at least j / num_workers of the keys below it.
     const size_t target = num_entries / num_workers * j;
-    int64_t lo = bounds[j - 1], hi = impl.stream_pos;
+    int64_t lo = bounds[j - 1], hi = end_pos;
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo) / 2;
       if (count_below(mid) >= target) {
@@ -1454,55 +1357,46 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
     bounds[j] = lo;
   }
   struct Part {
-    size_t first_rank;
+    size_t first_rank = 0;
     UninitializedBuffer<uint8_t> bytes;
     UninitializedBuffer<uint64_t> lengths;
   };
   std::vector<Part> parts(num_workers);
-  FlatPretokenCounts out;
   out.offsets.assign(num_entries + 1, 0);
   out.counts.resize(num_entries);
   run_workers(num_workers, static_cast<int>(num_workers), nullptr, [&](size_t j, int) {
-    std::vector<size_t> heads(num_tables), ends(num_tables);
+    const size_t num_lists = lists.size();
+    std::vector<size_t> heads(num_lists), ends(num_lists);
     size_t rank = 0;
-    for (size_t t = 0; t < num_tables; ++t) {
-      const auto& positions = tables[t].first_positions();
-      heads[t] = static_cast<size_t>(std::lower_bound(positions.begin(), positions.end(), bounds[j]) - positions.begin());
-      ends[t] = static_cast<size_t>(std::lower_bound(positions.begin(), positions.end(), bounds[j + 1]) - positions.begin());
+    for (size_t t = 0; t < num_lists; ++t) {
+      heads[t] = index_of(lists[t], bounds[j]);
+      ends[t] = index_of(lists[t], bounds[j + 1]);
       rank += heads[t];
     }
     Part& part = parts[j];
     part.first_rank = rank;
-    // The merge order first, then the entries: picking the next table is an unpredictable
-    // branch, and a mispredicted one would cancel the slot loads in flight.
-    struct Ref {
-      const CountTable::Slot* slot;
-      const CountTable* table;
-    };
-    std::vector<Ref> merged;
+    // The merge order first, then the keys: picking the next list is an unpredictable branch,
+    // and a mispredicted one would cancel the slot loads in flight.
+    std::vector<std::pair<uint32_t, size_t>> merged;  // (list, index)
     merged.reserve(num_entries / num_workers + 1);
     while (true) {
-      size_t best = num_tables;
-      for (size_t t = 0; t < num_tables; ++t) {
-        if (heads[t] < ends[t] && (best == num_tables || tables[t].first_positions()[heads[t]] <
-                                                             tables[best].first_positions()[heads[best]])) {
-          best = t;
-        }
+      size_t best = num_lists;
+      for (size_t t = 0; t < num_lists; ++t) {
+        if (heads[t] < ends[t] && (best == num_lists || lists[t].pos(heads[t]) < lists[best].pos(heads[best]))) best = t;
       }
-      if (best == num_tables) break;
-      merged.push_back({&tables[best].entry(heads[best]++), &tables[best]});
+      if (best == num_lists) break;
+      merged.emplace_back(static_cast<uint32_t>(best), heads[best]++);
     }
     part.lengths.resize(merged.size());
     size_t num_bytes = 0;
     for (size_t k = 0; k < merged.size(); ++k) {
-      if (k + 8 < merged.size()) __builtin_prefetch(merged[k + 8].slot);
-      const CountTable::Slot& slot = *merged[k].slot;
-      const uint32_t len = slot.len();
+      if (k + 8 < merged.size()) lists[merged[k + 8].first].prefetch(merged[k + 8].second);
+      const auto [bytes, len, count] = lists[merged[k].first].key(merged[k].second);
       if (part.bytes.size() < num_bytes + len) part.bytes.resize(std::max(2 * part.bytes.size(), num_bytes + len));
-      std::memcpy(part.bytes.data() + num_bytes, merged[k].table->key_bytes(slot), len);
+      std::memcpy(part.bytes.data() + num_bytes, bytes, len);
       num_bytes += len;
       part.lengths[k] = len;
-      out.counts[rank++] = slot.count;
+      out.counts[rank++] = count;
     }
     part.bytes.resize(num_bytes);
   });
@@ -1517,6 +1411,97 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
       std::memcpy(out.bytes.data() + out.offsets[parts[j].first_rank], parts[j].bytes.data(), parts[j].bytes.size());
     }
   });
+}
+
+struct KeyView {
+  const uint8_t* bytes;
+  uint64_t len;
+  int64_t count;
+};
+
+// One table's entries in insertion (= first-occurrence) order.
+struct TableList {
+  const CountTable* table;
+  size_t size() const { return table->size(); }
+  int64_t pos(size_t k) const { return table->first_position(table->slot_of_entry(k)); }
+  void prefetch(size_t k) const { __builtin_prefetch(&table->slot(table->slot_of_entry(k))); }
+  KeyView key(size_t k) const {
+    const CountTable::Slot& slot = table->slot(table->slot_of_entry(k));
+    return {table->key_bytes(slot), slot.len(), slot.count};
+  }
+};
+
+// Merged keys sorted by first position.
+struct MergedList {
+  std::vector<MergedKey> keys;
+  size_t size() const { return keys.size(); }
+  int64_t pos(size_t k) const { return keys[k].pos; }
+  void prefetch(size_t k) const { __builtin_prefetch(keys[k].slot); }
+  KeyView key(size_t k) const {
+    const MergedKey& key = keys[k];
+    return {key.table->key_bytes(*key.slot), key.slot->len(), key.count};
+  }
+};
+
+}  // namespace
+
+FlatPretokenCounts PretokenCounter::finish_flat() {
+  Impl& impl = *impl_;
+  const int num_threads = impl.options.num_threads;
+  std::vector<const CountTable*> sources;
+  for (const CountTable& table : impl.tables) {
+    if (table.size() > 0) sources.push_back(&table);
+  }
+  FlatPretokenCounts out;
+  if (sources.size() <= 1) {
+    // One table: its insertion order is the result's order.
+    std::vector<TableList> lists;
+    for (const CountTable* table : sources) lists.push_back({table});
+    write_in_position_order(lists, impl.stream_pos, num_threads, out);
+  } else {
+    // Shard k (the keys whose hash tag falls in the k-th of num_threads ranges) is merged by one
+    // worker: a key's entry in the table where it occurred first (its owner) takes the counts of
+    // its entries in the other tables, and the others are dropped. Taken in each table's
+    // insertion order, the owned entries are already sorted by first position.
+    const size_t num_shards = static_cast<size_t>(num_threads);
+    const size_t num_sources = sources.size();
+    std::vector<MergedList> shards(num_shards * num_sources);  // [shard][table]
+    run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
+      std::vector<uint32_t> slots;
+      for (size_t t = 0; t < num_sources; ++t) {
+        const CountTable& table = *sources[t];
+        slots.clear();
+        constexpr size_t kAhead = 16;
+        for (size_t e = 0; e < table.size(); ++e) {
+          if (e + kAhead < table.size()) __builtin_prefetch(&table.slot(table.slot_of_entry(e + kAhead)));
+          const size_t idx = table.slot_of_entry(e);
+          if (((uint64_t{table.slot(idx).tag()} * num_shards) >> 32) == shard) slots.push_back(static_cast<uint32_t>(idx));
+        }
+        std::vector<MergedKey>& keys = shards[shard * num_sources + t].keys;
+        for (size_t k = 0; k < slots.size(); ++k) {
+          if (k + kAhead < slots.size()) {
+            const uint64_t ahead = table.slot(slots[k + kAhead]).meta;
+            table.prefetch_position(slots[k + kAhead]);
+            for (size_t u = 0; u < num_sources; ++u) {
+              if (u != t) sources[u]->prefetch_lookup(ahead);
+            }
+          }
+          const CountTable::Slot& slot = table.slot(slots[k]);
+          MergedKey key{table.first_position(slots[k]), slot.count, &slot, &table};
+          bool owned = true;
+          for (size_t u = 0; u < num_sources && owned; ++u) {
+            if (u == t) continue;
+            const size_t other = sources[u]->find(slot, table);
+            if (other == CountTable::kNotFound) continue;
+            owned = sources[u]->first_position(other) > key.pos;  // positions are unique
+            key.count += sources[u]->slot(other).count;
+          }
+          if (owned) keys.push_back(key);
+        }
+      }
+    });
+    write_in_position_order(shards, impl.stream_pos, num_threads, out);
+  }
   for (CountTable& table : impl.tables) table.clear();
   impl.stream_pos = 0;
   return out;
