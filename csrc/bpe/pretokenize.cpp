@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cstring>
 #include <exception>
@@ -666,6 +667,15 @@ class CountTable {
 
   void clear() { reset(kInitialBits); }
 
+  // Sizes an empty table for about `input_bytes` of text, so it need not grow (rehash) step by
+  // step from a few thousand slots: about one slot per 128 bytes (English has ~1 unique
+  // pre-token per 120 bytes at 40 MB, and fewer per byte beyond), at most 2^20 slots up front.
+  void reserve_for(size_t input_bytes) {
+    if (!order_.empty()) return;
+    const int bits = std::clamp(static_cast<int>(std::bit_width(input_bytes / 128)), kInitialBits, 20);
+    if (bits > 32 - shift_) reset(bits);
+  }
+
  private:
   static constexpr int kInitialBits = 12;
   static constexpr size_t kMaxEntries = size_t{3} << 30;
@@ -1205,6 +1215,7 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
   }
   if (mapping.data != MAP_FAILED) {
     ::madvise(mapping.data, mapping.size, MADV_SEQUENTIAL);
+    for (CountTable& table : impl.tables) table.reserve_for(mapping.size);
     const auto* file = static_cast<const uint8_t*>(mapping.data);
     const size_t size = mapping.size;
     std::string buffer;
@@ -1275,9 +1286,10 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
   Impl& impl = *impl_;
   std::string decoded_text;
   std::vector<std::pair<size_t, size_t>> ranges;  // into decoded_text
+  size_t total = 0;
+  for (auto doc : documents) total += doc.size();
+  for (CountTable& table : impl.tables) table.reserve_for(total);
   if (!decoded) {
-    size_t total = 0;
-    for (auto doc : documents) total += doc.size();
     decoded_text.reserve(total);
     for (size_t k = 0; k < documents.size(); ++k) {
       TextDecoder decoder(impl.options.errors);
@@ -1466,17 +1478,23 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
     const size_t num_shards = static_cast<size_t>(num_threads);
     const size_t num_sources = sources.size();
     std::vector<MergedList> shards(num_shards * num_sources);  // [shard][table]
+    // Each table's entries by shard, in insertion order: one pass over every table.
+    std::vector<std::vector<uint32_t>> shard_slots(num_sources * num_shards);  // [table][shard]
+    run_workers(num_sources, num_threads, nullptr, [&](size_t t, int) {
+      const CountTable& table = *sources[t];
+      constexpr size_t kAhead = 16;
+      for (size_t e = 0; e < table.size(); ++e) {
+        if (e + kAhead < table.size()) __builtin_prefetch(&table.slot(table.slot_of_entry(e + kAhead)));
+        const size_t idx = table.slot_of_entry(e);
+        const size_t shard = static_cast<size_t>((uint64_t{table.slot(idx).tag()} * num_shards) >> 32);
+        shard_slots[t * num_shards + shard].push_back(static_cast<uint32_t>(idx));
+      }
+    });
     run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
-      std::vector<uint32_t> slots;
       for (size_t t = 0; t < num_sources; ++t) {
         const CountTable& table = *sources[t];
-        slots.clear();
+        const std::vector<uint32_t>& slots = shard_slots[t * num_shards + shard];
         constexpr size_t kAhead = 16;
-        for (size_t e = 0; e < table.size(); ++e) {
-          if (e + kAhead < table.size()) __builtin_prefetch(&table.slot(table.slot_of_entry(e + kAhead)));
-          const size_t idx = table.slot_of_entry(e);
-          if (((uint64_t{table.slot(idx).tag()} * num_shards) >> 32) == shard) slots.push_back(static_cast<uint32_t>(idx));
-        }
         std::vector<MergedKey>& keys = shards[shard * num_sources + t].keys;
         for (size_t k = 0; k < slots.size(); ++k) {
           if (k + kAhead < slots.size()) {
