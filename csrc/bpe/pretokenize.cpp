@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -640,15 +641,15 @@ class CountTable {
     }
   }
 
-  // The slot of `other`'s key `slot` in this table, or kNotFound.
-  size_t find(const Slot& slot, const CountTable& other) const {
-    const uint32_t len = slot.len();
-    for (size_t idx = home(slot.meta);; idx = (idx + 1) & mask_) {
+  // The slot holding the key (meta, w0, w1) in this table, or kNotFound; `long_bytes` are the
+  // key's bytes when it is longer than kInlineBytes (then w1 is unused).
+  size_t find(uint64_t meta, uint64_t w0, uint64_t w1, const uint8_t* long_bytes) const {
+    const uint32_t len = static_cast<uint32_t>(meta);
+    for (size_t idx = home(meta);; idx = (idx + 1) & mask_) {
       const Slot& mine = slots_[idx];
       if (mine.count == 0) return kNotFound;
-      if (mine.meta == slot.meta && mine.w0 == slot.w0 &&
-          (len <= kInlineBytes ? mine.w1 == slot.w1
-                               : std::memcmp(arena_.data() + mine.w1, other.arena_.data() + slot.w1, len) == 0)) {
+      if (mine.meta == meta && mine.w0 == w0 &&
+          (len <= kInlineBytes ? mine.w1 == w1 : std::memcmp(arena_.data() + mine.w1, long_bytes, len) == 0)) {
         return idx;
       }
     }
@@ -1318,13 +1319,21 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
 
 namespace {
 
-// One unique pre-token of the result: its count over all tables, and its bytes in one of them.
+// A table entry copied out for merging: its key words (a long key: a pointer to its bytes in
+// place of the second word), count and first position; read in order, with no slot lookups.
 struct MergedKey {
-  int64_t pos;  // first position
+  uint64_t w0;
+  uint64_t w1_or_bytes;
+  uint64_t meta;
   int64_t count;
-  const CountTable::Slot* slot;
-  const CountTable* table;
+  int64_t pos;
+  uint32_t len() const { return static_cast<uint32_t>(meta); }
+  const uint8_t* bytes() const {
+    return len() <= CountTable::kInlineBytes ? reinterpret_cast<const uint8_t*>(&w0)
+                                             : reinterpret_cast<const uint8_t*>(w1_or_bytes);
+  }
 };
+static_assert(offsetof(MergedKey, w1_or_bytes) == 8, "inline key bytes are w0 then w1");
 
 // Writes `lists` (each sorted by pos, positions unique across lists) into `out` in position
 // order. Worker j takes the keys at positions in [bounds[j], bounds[j + 1]): one run of every
@@ -1371,7 +1380,6 @@ void write_in_position_order(const std::vector<List>& lists, int64_t end_pos, in
   struct Part {
     size_t first_rank = 0;
     UninitializedBuffer<uint8_t> bytes;
-    UninitializedBuffer<uint64_t> lengths;
   };
   std::vector<Part> parts(num_workers);
   out.offsets.assign(num_entries + 1, 0);
@@ -1387,36 +1395,25 @@ void write_in_position_order(const std::vector<List>& lists, int64_t end_pos, in
     }
     Part& part = parts[j];
     part.first_rank = rank;
-    // The merge order first, then the keys: picking the next list is an unpredictable branch,
-    // and a mispredicted one would cancel the slot loads in flight.
-    std::vector<std::pair<uint32_t, size_t>> merged;  // (list, index)
-    merged.reserve(num_entries / num_workers + 1);
+    size_t num_bytes = 0;
     while (true) {
       size_t best = num_lists;
       for (size_t t = 0; t < num_lists; ++t) {
         if (heads[t] < ends[t] && (best == num_lists || lists[t].pos(heads[t]) < lists[best].pos(heads[best]))) best = t;
       }
       if (best == num_lists) break;
-      merged.emplace_back(static_cast<uint32_t>(best), heads[best]++);
-    }
-    part.lengths.resize(merged.size());
-    size_t num_bytes = 0;
-    for (size_t k = 0; k < merged.size(); ++k) {
-      if (k + 8 < merged.size()) lists[merged[k + 8].first].prefetch(merged[k + 8].second);
-      const auto [bytes, len, count] = lists[merged[k].first].key(merged[k].second);
+      const size_t k = heads[best]++;
+      if (k + 8 < ends[best]) lists[best].prefetch(k + 8);
+      const auto [bytes, len, count] = lists[best].key(k);
       if (part.bytes.size() < num_bytes + len) part.bytes.resize(std::max(2 * part.bytes.size(), num_bytes + len));
       std::memcpy(part.bytes.data() + num_bytes, bytes, len);
       num_bytes += len;
-      part.lengths[k] = len;
+      out.offsets[rank + 1] = len;  // a length until the prefix sum below
       out.counts[rank++] = count;
     }
     part.bytes.resize(num_bytes);
   });
-  for (const Part& part : parts) {
-    for (size_t k = 0; k < part.lengths.size(); ++k) {
-      out.offsets[part.first_rank + k + 1] = out.offsets[part.first_rank + k] + part.lengths[k];
-    }
-  }
+  for (size_t k = 0; k < num_entries; ++k) out.offsets[k + 1] += out.offsets[k];
   out.bytes.resize(out.offsets[num_entries]);
   run_workers(num_workers, static_cast<int>(num_workers), nullptr, [&](size_t j, int) {
     if (!parts[j].bytes.empty()) {
@@ -1448,11 +1445,8 @@ struct MergedList {
   std::vector<MergedKey> keys;
   size_t size() const { return keys.size(); }
   int64_t pos(size_t k) const { return keys[k].pos; }
-  void prefetch(size_t k) const { __builtin_prefetch(keys[k].slot); }
-  KeyView key(size_t k) const {
-    const MergedKey& key = keys[k];
-    return {key.table->key_bytes(*key.slot), key.slot->len(), key.count};
-  }
+  void prefetch(size_t) const {}
+  KeyView key(size_t k) const { return {keys[k].bytes(), keys[k].len(), keys[k].count}; }
 };
 
 }  // namespace
@@ -1478,38 +1472,44 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
     const size_t num_shards = static_cast<size_t>(num_threads);
     const size_t num_sources = sources.size();
     std::vector<MergedList> shards(num_shards * num_sources);  // [shard][table]
-    // Each table's entries by shard, in insertion order: one pass over every table.
-    std::vector<std::vector<uint32_t>> shard_slots(num_sources * num_shards);  // [table][shard]
+    // Each table's entries by shard, in insertion order, copied out: one pass over every table.
+    std::vector<std::vector<MergedKey>> entries(num_sources * num_shards);  // [table][shard]
     run_workers(num_sources, num_threads, nullptr, [&](size_t t, int) {
       const CountTable& table = *sources[t];
+      for (size_t shard = 0; shard < num_shards; ++shard) {
+        entries[t * num_shards + shard].reserve(table.size() / num_shards + table.size() / 32 + 64);
+      }
       constexpr size_t kAhead = 16;
       for (size_t e = 0; e < table.size(); ++e) {
-        if (e + kAhead < table.size()) __builtin_prefetch(&table.slot(table.slot_of_entry(e + kAhead)));
+        if (e + kAhead < table.size()) {
+          __builtin_prefetch(&table.slot(table.slot_of_entry(e + kAhead)));
+          table.prefetch_position(table.slot_of_entry(e + kAhead));
+        }
         const size_t idx = table.slot_of_entry(e);
-        const size_t shard = static_cast<size_t>((uint64_t{table.slot(idx).tag()} * num_shards) >> 32);
-        shard_slots[t * num_shards + shard].push_back(static_cast<uint32_t>(idx));
+        const CountTable::Slot& slot = table.slot(idx);
+        const size_t shard = static_cast<size_t>((uint64_t{slot.tag()} * num_shards) >> 32);
+        const uint64_t w1 = slot.len() <= CountTable::kInlineBytes ? slot.w1 : reinterpret_cast<uintptr_t>(table.key_bytes(slot));
+        entries[t * num_shards + shard].push_back({slot.w0, w1, slot.meta, slot.count, table.first_position(idx)});
       }
     });
     run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
       for (size_t t = 0; t < num_sources; ++t) {
-        const CountTable& table = *sources[t];
-        const std::vector<uint32_t>& slots = shard_slots[t * num_shards + shard];
-        constexpr size_t kAhead = 16;
+        const std::vector<MergedKey>& mine = entries[t * num_shards + shard];
         std::vector<MergedKey>& keys = shards[shard * num_sources + t].keys;
-        for (size_t k = 0; k < slots.size(); ++k) {
-          if (k + kAhead < slots.size()) {
-            const uint64_t ahead = table.slot(slots[k + kAhead]).meta;
-            table.prefetch_position(slots[k + kAhead]);
+        keys.reserve(mine.size());
+        constexpr size_t kAhead = 16;
+        for (size_t k = 0; k < mine.size(); ++k) {
+          if (k + kAhead < mine.size()) {
             for (size_t u = 0; u < num_sources; ++u) {
-              if (u != t) sources[u]->prefetch_lookup(ahead);
+              if (u != t) sources[u]->prefetch_lookup(mine[k + kAhead].meta);
             }
           }
-          const CountTable::Slot& slot = table.slot(slots[k]);
-          MergedKey key{table.first_position(slots[k]), slot.count, &slot, &table};
+          MergedKey key = mine[k];
+          const uint8_t* long_bytes = key.len() <= CountTable::kInlineBytes ? nullptr : key.bytes();
           bool owned = true;
           for (size_t u = 0; u < num_sources && owned; ++u) {
             if (u == t) continue;
-            const size_t other = sources[u]->find(slot, table);
+            const size_t other = sources[u]->find(key.meta, key.w0, key.w1_or_bytes, long_bytes);
             if (other == CountTable::kNotFound) continue;
             owned = sources[u]->first_position(other) > key.pos;  // positions are unique
             key.count += sources[u]->slot(other).count;
