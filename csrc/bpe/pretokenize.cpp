@@ -14,6 +14,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <ranges>
 #include <thread>
 #include <utility>
 
@@ -1344,17 +1345,10 @@ void write_in_position_order(const std::vector<List>& lists, int64_t end_pos, in
   size_t num_entries = 0;
   for (const List& list : lists) num_entries += list.size();
   const size_t num_workers = std::clamp<size_t>(num_entries / 65536, 1, static_cast<size_t>(num_threads));
+  // Entries of `list` at positions below `pos`.
   auto index_of = [](const List& list, int64_t pos) {
-    size_t lo = 0, hi = list.size();
-    while (lo < hi) {
-      const size_t mid = lo + (hi - lo) / 2;
-      if (list.pos(mid) < pos) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    return lo;
+    return *std::ranges::partition_point(std::views::iota(size_t{0}, list.size()),
+                                         [&](size_t k) { return list.pos(k) < pos; });
   };
   auto count_below = [&](int64_t pos) {
     size_t below = 0;
@@ -1366,16 +1360,8 @@ void write_in_position_order(const std::vector<List>& lists, int64_t end_pos, in
   for (size_t j = 1; j < num_workers; ++j) {
     // The smallest position with at least j / num_workers of the keys below it.
     const size_t target = num_entries / num_workers * j;
-    int64_t lo = bounds[j - 1], hi = end_pos;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (count_below(mid) >= target) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    bounds[j] = lo;
+    bounds[j] = *std::ranges::partition_point(std::views::iota(bounds[j - 1], end_pos),
+                                              [&](int64_t pos) { return count_below(pos) < target; });
   }
   struct Part {
     size_t first_rank = 0;
