@@ -262,15 +262,19 @@ def test_results_independent_of_threads_and_ordered_by_first_occurrence():
 
 
 def test_many_unique_pretokens_ordered_for_any_thread_count():
-    # Enough unique pre-tokens that the final merge by first position is split among threads.
+    # Enough unique pre-tokens that the final merge by first position is split among threads;
+    # some longer than a table slot holds inline (20-digit numbers); the tables are first sized
+    # for one small document, so they grow to different sizes.
     rng = random.Random(11)
-    words = [f" w{rng.randrange(400_000)}" for _ in range(300_000)]
+    words = [f" w{rng.randrange(400_000)}" if rng.random() < 0.9 else f" {rng.randrange(50_000):020d}"
+             for _ in range(300_000)]
     docs = ["".join(words[k:k + 5000]) for k in range(0, len(words), 5000)]
     expected = ref.count_pretokens(docs)
-    assert len(expected) > 200_000
+    assert len(expected) > 200_000 and sum(len(key) > 16 for key in expected) > 10_000
     for num_threads in (1, 2, 3, 7):
         counter = _core.BpePretokenCounter(0, [], 0, num_threads, chunk_bytes=4096)
-        counter.add_documents(docs)
+        counter.add_documents(docs[:1])
+        counter.add_documents(docs[1:])
         got = counter.finish()
         assert got == expected and list(got) == list(expected)
 

@@ -28,10 +28,11 @@ std::span<const T> span_1d(const CArray<T>& array, const char* name) {
 }
 
 // Moves a vector into a NumPy array that owns it (no copy); torch.from_numpy then shares it too.
-template <typename T>
-py::array_t<T> to_numpy(std::vector<T>&& values, std::vector<py::ssize_t> shape = {}) {
-  auto* owned = new std::vector<T>(std::move(values));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+template <typename T, typename Allocator>
+py::array_t<T> to_numpy(std::vector<T, Allocator>&& values, std::vector<py::ssize_t> shape = {}) {
+  using Vector = std::vector<T, Allocator>;
+  auto* owned = new Vector(std::move(values));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<Vector*>(p); });
   if (shape.empty()) shape = {static_cast<py::ssize_t>(owned->size())};
   return py::array_t<T>(shape, owned->data(), free_when_done);
 }

@@ -588,6 +588,8 @@ class CountTable {
   };
 
   static constexpr size_t kNotFound = static_cast<size_t>(-1);
+  // The count of an entry merged into another table's entry of the same key.
+  static constexpr int64_t kDropped = std::numeric_limits<int64_t>::min();
 
   CountTable() { reset(kInitialBits); }
 
@@ -643,12 +645,14 @@ class CountTable {
   }
 
   // The slot holding the key (meta, w0, w1) in this table, or kNotFound; `long_bytes` are the
-  // key's bytes when it is longer than kInlineBytes (then w1 is unused).
+  // key's bytes when it is longer than kInlineBytes (then w1 is unused). It reads only the key
+  // fields of other keys' slots (an empty slot has meta 0: keys are never empty), so it may run
+  // while other threads rewrite those keys' counts.
   size_t find(uint64_t meta, uint64_t w0, uint64_t w1, const uint8_t* long_bytes) const {
     const uint32_t len = static_cast<uint32_t>(meta);
     for (size_t idx = home(meta);; idx = (idx + 1) & mask_) {
       const Slot& mine = slots_[idx];
-      if (mine.count == 0) return kNotFound;
+      if (mine.meta == 0) return kNotFound;
       if (mine.meta == meta && mine.w0 == w0 &&
           (len <= kInlineBytes ? mine.w1 == w1 : std::memcmp(arena_.data() + mine.w1, long_bytes, len) == 0)) {
         return idx;
@@ -657,10 +661,17 @@ class CountTable {
   }
 
   size_t size() const { return order_.size(); }
+  // 2^bits slots; a key's home slot is its tag's top `bits` bits.
+  int bits() const { return 32 - shift_; }
+  size_t capacity() const { return slots_.size(); }
   const Slot& slot(size_t idx) const { return slots_[idx]; }
+  // For merging tables after counting (then a count may also be kDropped).
+  int64_t& count_at(size_t idx) { return slots_[idx].count; }
   int64_t first_position(size_t idx) const { return positions_[idx]; }
   // The slot of entry k in insertion (= first-occurrence) order.
   size_t slot_of_entry(size_t k) const { return order_[k]; }
+  const uint32_t* entry_slots() const { return order_.data(); }
+  const Slot* slots() const { return slots_.data(); }
 
   // The key bytes of a slot: inline ones are read in place (the slot is little-endian bytes).
   const uint8_t* key_bytes(const Slot& slot) const {
@@ -685,7 +696,7 @@ class CountTable {
   [[gnu::always_inline]] inline size_t home(uint64_t meta) const { return static_cast<size_t>((meta >> 32) >> shift_); }
 
   void reset(int bits) {
-    UninitializedBuffer<Slot>(size_t{1} << bits, Slot{0, 0, 0, 0}).swap(slots_);
+    ZeroedArray<Slot>(size_t{1} << bits).swap(slots_);
     UninitializedBuffer<int64_t>(size_t{1} << bits).swap(positions_);
     mask_ = slots_.size() - 1;
     shift_ = 32 - bits;
@@ -711,7 +722,7 @@ class CountTable {
 
   void grow() {
     if (shift_ == 0 || order_.size() >= kMaxEntries) throw std::length_error("pre-token table is full");
-    UninitializedBuffer<Slot> old_slots(slots_.size() * 2, Slot{0, 0, 0, 0});
+    ZeroedArray<Slot> old_slots(slots_.size() * 2);
     UninitializedBuffer<int64_t> old_positions(slots_.size() * 2);
     old_slots.swap(slots_);
     old_positions.swap(positions_);
@@ -728,8 +739,9 @@ class CountTable {
   }
 
   // Slots in huge pages: a large table is probed at random, and with 4 KiB pages most probes
-  // were TLB misses as well as cache misses.
-  UninitializedBuffer<Slot> slots_;
+  // were TLB misses as well as cache misses. Zeroed lazily: each worker's table is cleared by the
+  // worker itself as it fills, in parallel, not by the thread that sized the tables.
+  ZeroedArray<Slot> slots_;
   UninitializedBuffer<int64_t> positions_;  // first position of each slot's key (set on insert)
   size_t mask_ = 0;
   int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
@@ -1320,192 +1332,209 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
 
 namespace {
 
-// A table entry copied out for merging: its key words (a long key: a pointer to its bytes in
-// place of the second word), count and first position; read in order, with no slot lookups.
-struct MergedKey {
-  uint64_t w0;
-  uint64_t w1_or_bytes;
-  uint64_t meta;
-  int64_t count;
-  int64_t pos;
-  uint32_t len() const { return static_cast<uint32_t>(meta); }
-  const uint8_t* bytes() const {
-    return len() <= CountTable::kInlineBytes ? reinterpret_cast<const uint8_t*>(&w0)
-                                             : reinterpret_cast<const uint8_t*>(w1_or_bytes);
-  }
-};
-static_assert(offsetof(MergedKey, w1_or_bytes) == 8, "inline key bytes are w0 then w1");
+// Merges the per-worker tables in place: afterwards every key has exactly one live entry, in the
+// table where it occurred first (its owner), holding the sum of its counts; its entries in the
+// other tables hold kDropped. Shard s (the keys whose tag's top shard_bits bits are s) is merged
+// by one worker, which walks that shard's slot range of each table but the last in slot order
+// and looks each key up in the later tables. Every table's home slot is a prefix of the same tag bits, so those
+// lookups move forward through the other tables too: the whole merge streams through memory
+// instead of jumping to random slots. Worker s writes only the counts of shard-s keys, and find()
+// and the walk read only the key fields of other keys' slots, so workers never race.
+void merge_tables(const std::vector<CountTable*>& tables, int num_threads) {
+  int min_bits = 32;
+  for (const CountTable* table : tables) min_bits = std::min(min_bits, table->bits());
+  // A few shards per thread, so a thread that falls behind on a shared machine is waited for little.
+  const int shard_bits = std::min(min_bits, static_cast<int>(std::bit_width(static_cast<unsigned>(4 * num_threads - 1))));
+  const size_t num_tables = tables.size();
+  run_workers(size_t{1} << shard_bits, num_threads, nullptr, [&](size_t shard, int) {
+    std::vector<std::pair<size_t, size_t>> found;  // (table, slot) of the key in later tables
+    for (size_t t = 0; t + 1 < num_tables; ++t) {
+      CountTable& table = *tables[t];
+      const int range_bits = table.bits() - shard_bits;
+      const size_t begin = shard << range_bits;
+      const size_t end = (shard + 1) << range_bits;
+      const size_t mask = table.capacity() - 1;
+      // Slots [begin, end) and, past end, the rest of the run of full slots: a key of this shard
+      // whose home is below end sits at or after its home with no empty slot in between (the last
+      // shard's run wraps around to slot 0).
+      for (size_t i = begin;; ++i) {
+        const size_t idx = i & mask;
+        const CountTable::Slot& slot = table.slot(idx);
+        if (slot.meta == 0) {
+          if (i >= end) break;
+          continue;
+        }
+        if ((slot.tag() >> (32 - shard_bits)) != shard) continue;
+        int64_t& count = table.count_at(idx);
+        if (count == CountTable::kDropped) continue;
+        if (count < 0) {  // merged by an earlier table's entry, which found this one its owner
+          count = -count;
+          continue;
+        }
+        const uint8_t* long_bytes = slot.len() <= CountTable::kInlineBytes ? nullptr : table.key_bytes(slot);
+        found.clear();
+        int64_t total = count;
+        size_t owner = t;
+        int64_t owner_pos = table.first_position(idx);
+        for (size_t u = t + 1; u < num_tables; ++u) {
+          const size_t other = tables[u]->find(slot.meta, slot.w0, slot.w1, long_bytes);
+          if (other == CountTable::kNotFound) continue;
+          // Untouched so far: an earlier table holding this key would have marked both entries.
+          total += tables[u]->slot(other).count;
+          found.emplace_back(u, other);
+          if (tables[u]->first_position(other) < owner_pos) {  // positions are unique
+            owner = u;
+            owner_pos = tables[u]->first_position(other);
+          }
+        }
+        if (found.empty()) continue;
+        // The owner's count is final here if it is this table or the last one (never walked); an
+        // owner in a table between is marked negative, made final (not looked up again) when its
+        // table is walked.
+        count = owner == t ? total : CountTable::kDropped;
+        for (const auto& [u, other] : found) {
+          tables[u]->count_at(other) = owner != u ? CountTable::kDropped : u + 1 == num_tables ? total : -total;
+        }
+      }
+    }
+  });
+}
 
-// Writes `lists` (each sorted by pos, positions unique across lists) into `out` in position
-// order. Worker j takes the keys at positions in [bounds[j], bounds[j + 1]): one run of every
-// list and one contiguous run of the result, so workers never write the same cache lines.
-template <typename List>
-void write_in_position_order(const std::vector<List>& lists, int64_t end_pos, int num_threads,
+// Writes the live entries of `tables` into `out` in first-position order. Each table's entries in
+// insertion order are sorted by position, and positions are unique across tables. Worker j takes
+// the positions in [bounds[j], bounds[j + 1]) and merges the tables run by run (a run: the entries
+// of one table before the next table's head, found by binary search; the tables' entries come in
+// long runs, one per chunk of text a worker counted) into its own part, then the parts are copied
+// into place.
+void write_in_position_order(const std::vector<const CountTable*>& tables, int64_t end_pos, int num_threads,
                              FlatPretokenCounts& out) {
-  size_t num_entries = 0;
-  for (const List& list : lists) num_entries += list.size();
+  const size_t num_tables = tables.size();
+  size_t num_entries = 0;  // live and dropped
+  for (const CountTable* table : tables) num_entries += table->size();
   const size_t num_workers = std::clamp<size_t>(num_entries / 65536, 1, static_cast<size_t>(num_threads));
-  // Entries of `list` at positions below `pos`.
-  auto index_of = [](const List& list, int64_t pos) {
-    return *std::ranges::partition_point(std::views::iota(size_t{0}, list.size()),
-                                         [&](size_t k) { return list.pos(k) < pos; });
+  auto pos_of = [&](size_t t, size_t k) { return tables[t]->first_position(tables[t]->slot_of_entry(k)); };
+  // Entries of table t in [from, to) at positions below `pos`.
+  auto index_of = [&](size_t t, int64_t pos, size_t from, size_t to) {
+    return *std::ranges::partition_point(std::views::iota(from, to), [&](size_t k) { return pos_of(t, k) < pos; });
   };
   auto count_below = [&](int64_t pos) {
     size_t below = 0;
-    for (const List& list : lists) below += index_of(list, pos);
+    for (size_t t = 0; t < num_tables; ++t) below += index_of(t, pos, 0, tables[t]->size());
     return below;
   };
   std::vector<int64_t> bounds(num_workers + 1, 0);
   bounds[num_workers] = std::numeric_limits<int64_t>::max();
   for (size_t j = 1; j < num_workers; ++j) {
-    // The smallest position with at least j / num_workers of the keys below it.
+    // The smallest position with at least j / num_workers of the entries below it.
     const size_t target = num_entries / num_workers * j;
     bounds[j] = *std::ranges::partition_point(std::views::iota(bounds[j - 1], end_pos),
                                               [&](int64_t pos) { return count_below(pos) < target; });
   }
   struct Part {
-    size_t first_rank = 0;
-    UninitializedBuffer<uint8_t> bytes;
+    UninitializedBuffer<char> bytes;   // 16 bytes of slack: short keys are copied as two words
+    UninitializedBuffer<uint64_t> offsets;  // into bytes, one more than entries
+    UninitializedBuffer<int64_t> counts;
   };
   std::vector<Part> parts(num_workers);
-  out.offsets.assign(num_entries + 1, 0);
-  out.counts.resize(num_entries);
   run_workers(num_workers, static_cast<int>(num_workers), nullptr, [&](size_t j, int) {
-    const size_t num_lists = lists.size();
-    std::vector<size_t> heads(num_lists), ends(num_lists);
-    size_t rank = 0;
-    for (size_t t = 0; t < num_lists; ++t) {
-      heads[t] = index_of(lists[t], bounds[j]);
-      ends[t] = index_of(lists[t], bounds[j + 1]);
-      rank += heads[t];
+    std::vector<size_t> heads(num_tables), ends(num_tables);
+    size_t max_entries = 0;
+    for (size_t t = 0; t < num_tables; ++t) {
+      heads[t] = index_of(t, bounds[j], 0, tables[t]->size());
+      ends[t] = index_of(t, bounds[j + 1], heads[t], tables[t]->size());
+      max_entries += ends[t] - heads[t];
     }
     Part& part = parts[j];
-    part.first_rank = rank;
+    part.offsets.resize(max_entries + 1);
+    part.counts.resize(max_entries);
+    part.bytes.resize(8 * max_entries + 64);
+    // Locals, not the buffers' members: stores through char* may alias anything else in memory.
+    size_t num_out = 0;
     size_t num_bytes = 0;
+    uint64_t* const offsets = part.offsets.data();
+    int64_t* const counts = part.counts.data();
+    char* bytes = part.bytes.data();
+    offsets[0] = 0;
     while (true) {
-      size_t best = num_lists;
-      for (size_t t = 0; t < num_lists; ++t) {
-        if (heads[t] < ends[t] && (best == num_lists || lists[t].pos(heads[t]) < lists[best].pos(heads[best]))) best = t;
+      size_t best = num_tables;
+      int64_t best_pos = 0, next_pos = std::numeric_limits<int64_t>::max();
+      for (size_t t = 0; t < num_tables; ++t) {
+        if (heads[t] == ends[t]) continue;
+        const int64_t pos = pos_of(t, heads[t]);
+        if (best == num_tables || pos < best_pos) {
+          if (best != num_tables) next_pos = std::min(next_pos, best_pos);
+          best = t;
+          best_pos = pos;
+        } else {
+          next_pos = std::min(next_pos, pos);
+        }
       }
-      if (best == num_lists) break;
-      const size_t k = heads[best]++;
-      if (k + 8 < ends[best]) lists[best].prefetch(k + 8);
-      const auto [bytes, len, count] = lists[best].key(k);
-      if (part.bytes.size() < num_bytes + len) part.bytes.resize(std::max(2 * part.bytes.size(), num_bytes + len));
-      std::memcpy(part.bytes.data() + num_bytes, bytes, len);
-      num_bytes += len;
-      out.offsets[rank + 1] = len;  // a length until the prefix sum below
-      out.counts[rank++] = count;
+      if (best == num_tables) break;
+      const CountTable& table = *tables[best];
+      const CountTable::Slot* const slots = table.slots();
+      const uint32_t* const order = table.entry_slots();
+      const size_t run_end = num_tables == 1 ? ends[best] : index_of(best, next_pos, heads[best], ends[best]);
+      constexpr size_t kAhead = 16;
+      for (size_t k = heads[best]; k < run_end; ++k) {
+        if (k + kAhead < run_end) __builtin_prefetch(&slots[order[k + kAhead]]);
+        const CountTable::Slot& slot = slots[order[k]];
+        const int64_t count = slot.count;
+        if (count == CountTable::kDropped) continue;
+        const uint32_t len = slot.len();
+        if (part.bytes.size() < num_bytes + len + 16) {
+          part.bytes.resize(2 * (num_bytes + len + 16));
+          bytes = part.bytes.data();
+        }
+        if (len <= CountTable::kInlineBytes) {
+          std::memcpy(bytes + num_bytes, &slot.w0, 16);
+        } else {
+          std::memcpy(bytes + num_bytes, table.key_bytes(slot), len);
+        }
+        num_bytes += len;
+        counts[num_out] = count;
+        offsets[++num_out] = num_bytes;
+      }
+      heads[best] = run_end;
     }
     part.bytes.resize(num_bytes);
+    part.offsets.resize(num_out + 1);
+    part.counts.resize(num_out);
   });
-  for (size_t k = 0; k < num_entries; ++k) out.offsets[k + 1] += out.offsets[k];
-  out.bytes.resize(out.offsets[num_entries]);
+  if (num_workers == 1) {
+    out.bytes = std::move(parts[0].bytes);
+    out.offsets = std::move(parts[0].offsets);
+    out.counts = std::move(parts[0].counts);
+    return;
+  }
+  std::vector<size_t> first_entry(num_workers + 1, 0), first_byte(num_workers + 1, 0);
+  for (size_t j = 0; j < num_workers; ++j) {
+    first_entry[j + 1] = first_entry[j] + parts[j].counts.size();
+    first_byte[j + 1] = first_byte[j] + parts[j].bytes.size();
+  }
+  out.bytes.resize(first_byte[num_workers]);
+  out.offsets.resize(first_entry[num_workers] + 1);
+  out.counts.resize(first_entry[num_workers]);
+  out.offsets[0] = 0;
   run_workers(num_workers, static_cast<int>(num_workers), nullptr, [&](size_t j, int) {
-    if (!parts[j].bytes.empty()) {
-      std::memcpy(out.bytes.data() + out.offsets[parts[j].first_rank], parts[j].bytes.data(), parts[j].bytes.size());
-    }
+    const Part& part = parts[j];
+    std::memcpy(out.bytes.data() + first_byte[j], part.bytes.data(), part.bytes.size());
+    std::memcpy(out.counts.data() + first_entry[j], part.counts.data(), part.counts.size() * sizeof(int64_t));
+    uint64_t* offsets = out.offsets.data() + first_entry[j];
+    for (size_t k = 1; k < part.offsets.size(); ++k) offsets[k] = first_byte[j] + part.offsets[k];
   });
 }
-
-struct KeyView {
-  const uint8_t* bytes;
-  uint64_t len;
-  int64_t count;
-};
-
-// One table's entries in insertion (= first-occurrence) order.
-struct TableList {
-  const CountTable* table;
-  size_t size() const { return table->size(); }
-  int64_t pos(size_t k) const { return table->first_position(table->slot_of_entry(k)); }
-  void prefetch(size_t k) const { __builtin_prefetch(&table->slot(table->slot_of_entry(k))); }
-  KeyView key(size_t k) const {
-    const CountTable::Slot& slot = table->slot(table->slot_of_entry(k));
-    return {table->key_bytes(slot), slot.len(), slot.count};
-  }
-};
-
-// Merged keys sorted by first position.
-struct MergedList {
-  std::vector<MergedKey> keys;
-  size_t size() const { return keys.size(); }
-  int64_t pos(size_t k) const { return keys[k].pos; }
-  void prefetch(size_t) const {}
-  KeyView key(size_t k) const { return {keys[k].bytes(), keys[k].len(), keys[k].count}; }
-};
 
 }  // namespace
 
 FlatPretokenCounts PretokenCounter::finish_flat() {
   Impl& impl = *impl_;
-  const int num_threads = impl.options.num_threads;
-  std::vector<const CountTable*> sources;
-  for (const CountTable& table : impl.tables) {
+  std::vector<CountTable*> sources;
+  for (CountTable& table : impl.tables) {
     if (table.size() > 0) sources.push_back(&table);
   }
+  if (sources.size() > 1) merge_tables(sources, impl.options.num_threads);
   FlatPretokenCounts out;
-  if (sources.size() <= 1) {
-    // One table: its insertion order is the result's order.
-    std::vector<TableList> lists;
-    for (const CountTable* table : sources) lists.push_back({table});
-    write_in_position_order(lists, impl.stream_pos, num_threads, out);
-  } else {
-    // Shard k (the keys whose hash tag falls in the k-th of num_threads ranges) is merged by one
-    // worker: a key's entry in the table where it occurred first (its owner) takes the counts of
-    // its entries in the other tables, and the others are dropped. Taken in each table's
-    // insertion order, the owned entries are already sorted by first position.
-    const size_t num_shards = static_cast<size_t>(num_threads);
-    const size_t num_sources = sources.size();
-    std::vector<MergedList> shards(num_shards * num_sources);  // [shard][table]
-    // Each table's entries by shard, in insertion order, copied out: one pass over every table.
-    std::vector<std::vector<MergedKey>> entries(num_sources * num_shards);  // [table][shard]
-    run_workers(num_sources, num_threads, nullptr, [&](size_t t, int) {
-      const CountTable& table = *sources[t];
-      for (size_t shard = 0; shard < num_shards; ++shard) {
-        entries[t * num_shards + shard].reserve(table.size() / num_shards + table.size() / 32 + 64);
-      }
-      constexpr size_t kAhead = 16;
-      for (size_t e = 0; e < table.size(); ++e) {
-        if (e + kAhead < table.size()) {
-          __builtin_prefetch(&table.slot(table.slot_of_entry(e + kAhead)));
-          table.prefetch_position(table.slot_of_entry(e + kAhead));
-        }
-        const size_t idx = table.slot_of_entry(e);
-        const CountTable::Slot& slot = table.slot(idx);
-        const size_t shard = static_cast<size_t>((uint64_t{slot.tag()} * num_shards) >> 32);
-        const uint64_t w1 = slot.len() <= CountTable::kInlineBytes ? slot.w1 : reinterpret_cast<uintptr_t>(table.key_bytes(slot));
-        entries[t * num_shards + shard].push_back({slot.w0, w1, slot.meta, slot.count, table.first_position(idx)});
-      }
-    });
-    run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
-      for (size_t t = 0; t < num_sources; ++t) {
-        const std::vector<MergedKey>& mine = entries[t * num_shards + shard];
-        std::vector<MergedKey>& keys = shards[shard * num_sources + t].keys;
-        keys.reserve(mine.size());
-        constexpr size_t kAhead = 16;
-        for (size_t k = 0; k < mine.size(); ++k) {
-          if (k + kAhead < mine.size()) {
-            for (size_t u = 0; u < num_sources; ++u) {
-              if (u != t) sources[u]->prefetch_lookup(mine[k + kAhead].meta);
-            }
-          }
-          MergedKey key = mine[k];
-          const uint8_t* long_bytes = key.len() <= CountTable::kInlineBytes ? nullptr : key.bytes();
-          bool owned = true;
-          for (size_t u = 0; u < num_sources && owned; ++u) {
-            if (u == t) continue;
-            const size_t other = sources[u]->find(key.meta, key.w0, key.w1_or_bytes, long_bytes);
-            if (other == CountTable::kNotFound) continue;
-            owned = sources[u]->first_position(other) > key.pos;  // positions are unique
-            key.count += sources[u]->slot(other).count;
-          }
-          if (owned) keys.push_back(key);
-        }
-      }
-    });
-    write_in_position_order(shards, impl.stream_pos, num_threads, out);
-  }
+  write_in_position_order({sources.begin(), sources.end()}, impl.stream_pos, impl.options.num_threads, out);
   for (CountTable& table : impl.tables) table.clear();
   impl.stream_pos = 0;
   return out;
@@ -1514,10 +1543,10 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
 PretokenCounts PretokenCounter::finish() {
   FlatPretokenCounts flat = finish_flat();
   PretokenCounts out;
-  out.counts = std::move(flat.counts);
+  out.counts.assign(flat.counts.begin(), flat.counts.end());
   out.pretokens.resize(out.counts.size());
   for (size_t k = 0; k < out.counts.size(); ++k) {
-    out.pretokens[k].assign(flat.bytes, flat.offsets[k], flat.offsets[k + 1] - flat.offsets[k]);
+    out.pretokens[k].assign(flat.bytes.data() + flat.offsets[k], flat.offsets[k + 1] - flat.offsets[k]);
   }
   return out;
 }

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/buffer.h"
 #include "common/parallel.h"
 
 namespace trainfast::bpe {
@@ -111,9 +112,9 @@ struct PretokenCounts {
 
 // The same, flat: pre-token k is bytes[offsets[k]:offsets[k + 1]] (offsets has one more entry).
 struct FlatPretokenCounts {
-  std::string bytes;
-  std::vector<uint64_t> offsets;
-  std::vector<int64_t> counts;
+  UninitializedBuffer<char> bytes;
+  UninitializedBuffer<uint64_t> offsets;
+  UninitializedBuffer<int64_t> counts;
 };
 
 struct CountOptions {

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -15,6 +16,10 @@ namespace trainfast {
 constexpr size_t kLargeAllocation = size_t{4} << 20;
 void* allocate_large(size_t bytes);
 void free_large(void* p) noexcept;
+// `bytes` zero bytes; large blocks are fresh kernel pages (2 MiB-aligned, huge-page hint), zeroed
+// when first written, by whichever thread writes them. Freed with free_zeroed(p, bytes).
+void* allocate_zeroed(size_t bytes);
+void free_zeroed(void* p, size_t bytes) noexcept;
 
 template <typename T>
 struct UninitializedAllocator : std::allocator<T> {
@@ -50,5 +55,40 @@ struct UninitializedAllocator : std::allocator<T> {
 
 template <typename T>
 using UninitializedBuffer = std::vector<T, UninitializedAllocator<T>>;
+
+// n zero-valued T in one block from allocate_zeroed: a big table needs no zeroing pass up front
+// (its pages are cleared as the threads filling it first touch them).
+template <typename T>
+class ZeroedArray {
+  static_assert(std::is_trivially_copyable_v<T> && std::is_trivially_destructible_v<T>);
+
+ public:
+  ZeroedArray() = default;
+  explicit ZeroedArray(size_t n) : data_(static_cast<T*>(allocate_zeroed(n * sizeof(T)))), size_(n) {}
+  ~ZeroedArray() {
+    if (data_ != nullptr) free_zeroed(data_, size_ * sizeof(T));
+  }
+  ZeroedArray(ZeroedArray&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  ZeroedArray& operator=(ZeroedArray&& other) noexcept {
+    swap(other);
+    return *this;
+  }
+  ZeroedArray(const ZeroedArray&) = delete;
+  ZeroedArray& operator=(const ZeroedArray&) = delete;
+  void swap(ZeroedArray& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(size_, other.size_);
+  }
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  T* data_ = nullptr;
+  size_t size_ = 0;
+};
 
 }  // namespace trainfast
