@@ -618,12 +618,6 @@ class CountTable {
   }
 
   [[gnu::always_inline]] inline void prefetch(uint64_t meta) const { __builtin_prefetch(&slots_[home(meta)]); }
-  // The same for a key's slot and first position, for a lookup (its slot is almost always its home).
-  void prefetch_lookup(uint64_t meta) const {
-    __builtin_prefetch(&slots_[home(meta)]);
-    __builtin_prefetch(&positions_[home(meta)]);
-  }
-  void prefetch_position(size_t idx) const { __builtin_prefetch(&positions_[idx]); }
 
   // Counts one occurrence at stream position `pos`. A worker counts its chunks in stream order,
   // so a key's first add has its first position, and insertion order is first-position order.
@@ -671,6 +665,8 @@ class CountTable {
   // The slot of entry k in insertion (= first-occurrence) order.
   size_t slot_of_entry(size_t k) const { return order_[k]; }
   const uint32_t* entry_slots() const { return order_.data(); }
+  // Key bytes of the entries before entry k (in insertion order).
+  uint64_t key_bytes_before(size_t k) const { return key_bytes_before_[k]; }
   const Slot* slots() const { return slots_.data(); }
 
   // The key bytes of a slot: inline ones are read in place (the slot is little-endian bytes).
@@ -701,6 +697,7 @@ class CountTable {
     mask_ = slots_.size() - 1;
     shift_ = 32 - bits;
     std::vector<uint32_t>().swap(order_);
+    std::vector<uint64_t>(1, 0).swap(key_bytes_before_);
     std::vector<uint8_t>().swap(arena_);
   }
 
@@ -717,6 +714,7 @@ class CountTable {
     slot.meta = key.meta;
     positions_[idx] = pos;
     order_.push_back(static_cast<uint32_t>(idx));
+    key_bytes_before_.push_back(key_bytes_before_.back() + len);
     if (order_.size() * 4 > slots_.size() * 3) grow();
   }
 
@@ -746,6 +744,7 @@ class CountTable {
   size_t mask_ = 0;
   int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
   std::vector<uint32_t> order_;     // slot of each entry, in insertion order
+  std::vector<uint64_t> key_bytes_before_;  // running sum of key lengths in that order, from 0
   std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
 };
 
@@ -1332,135 +1331,208 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
 
 namespace {
 
+// The result is written by position range: writer j takes the keys first seen at positions in
+// [bounds[j], bounds[j + 1]), a run of each table's insertion order (which is sorted by position;
+// positions are unique across tables).
+struct WriteRanges {
+  std::vector<int64_t> bounds;
+  std::vector<uint64_t> dropped;        // entries in range j merged into another table's entry
+  std::vector<uint64_t> dropped_bytes;  // their key bytes
+  size_t size() const { return bounds.size() - 1; }
+  size_t range_of(int64_t pos) const {
+    return static_cast<size_t>(std::ranges::upper_bound(bounds, pos) - bounds.begin()) - 1;
+  }
+};
+
+// Entries of a table in insertion order [from, to) at positions below `pos`.
+size_t entries_below(const CountTable& table, int64_t pos, size_t from, size_t to) {
+  return *std::ranges::partition_point(std::views::iota(from, to), [&](size_t k) {
+    return table.first_position(table.slot_of_entry(k)) < pos;
+  });
+}
+
+// Up to num_threads ranges with about the same number of entries (live or not) each.
+WriteRanges split_for_writing(const std::vector<CountTable*>& tables, int64_t end_pos, int num_threads) {
+  size_t num_entries = 0;
+  for (const CountTable* table : tables) num_entries += table->size();
+  const size_t num_ranges = std::clamp<size_t>(num_entries / 65536, 1, static_cast<size_t>(num_threads));
+  WriteRanges ranges;
+  ranges.bounds.assign(num_ranges + 1, 0);
+  ranges.bounds[num_ranges] = std::numeric_limits<int64_t>::max();
+  auto count_below = [&](int64_t pos) {
+    size_t below = 0;
+    for (const CountTable* table : tables) below += entries_below(*table, pos, 0, table->size());
+    return below;
+  };
+  for (size_t j = 1; j < num_ranges; ++j) {
+    // The smallest position with at least j / num_ranges of the entries below it.
+    const size_t target = num_entries / num_ranges * j;
+    ranges.bounds[j] = *std::ranges::partition_point(std::views::iota(ranges.bounds[j - 1], end_pos),
+                                                     [&](int64_t pos) { return count_below(pos) < target; });
+  }
+  ranges.dropped.assign(num_ranges, 0);
+  ranges.dropped_bytes.assign(num_ranges, 0);
+  return ranges;
+}
+
 // Merges the per-worker tables in place: afterwards every key has exactly one live entry, in the
 // table where it occurred first (its owner), holding the sum of its counts; its entries in the
-// other tables hold kDropped. Shard s (the keys whose tag's top shard_bits bits are s) is merged
-// by one worker, which walks that shard's slot range of each table but the last in slot order
-// and looks each key up in the later tables. Every table's home slot is a prefix of the same tag bits, so those
-// lookups move forward through the other tables too: the whole merge streams through memory
-// instead of jumping to random slots. Worker s writes only the counts of shard-s keys, and find()
-// and the walk read only the key fields of other keys' slots, so workers never race.
-void merge_tables(const std::vector<CountTable*>& tables, int num_threads) {
+// other tables hold kDropped (tallied per write range). Shard s (the keys whose tag's top
+// shard_bits bits are s) is merged by one worker, which walks that shard's slot range of each table
+// but the last in slot order and looks each key up in the later tables. Every table's home slot is
+// a prefix of the same tag bits, so those lookups move forward through the other tables too: the
+// whole merge streams through memory instead of jumping to random slots. Worker s writes only the
+// counts of shard-s keys, and find() and the walk read only the key fields of other keys' slots,
+// so workers never race.
+void merge_tables(const std::vector<CountTable*>& tables, int num_threads, WriteRanges& ranges) {
   int min_bits = 32;
   for (const CountTable* table : tables) min_bits = std::min(min_bits, table->bits());
   // A few shards per thread, so a thread that falls behind on a shared machine is waited for little.
   const int shard_bits = std::min(min_bits, static_cast<int>(std::bit_width(static_cast<unsigned>(4 * num_threads - 1))));
+  const size_t num_shards = size_t{1} << shard_bits;
   const size_t num_tables = tables.size();
-  run_workers(size_t{1} << shard_bits, num_threads, nullptr, [&](size_t shard, int) {
+  const size_t num_ranges = ranges.size();
+  std::vector<uint64_t> dropped(num_shards * num_ranges, 0), dropped_bytes(num_shards * num_ranges, 0);
+  run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
     std::vector<std::pair<size_t, size_t>> found;  // (table, slot) of the key in later tables
+    // Tallied here, stored once at the end: shards' slots in `dropped` share cache lines.
+    std::vector<uint64_t> shard_dropped(num_ranges, 0), shard_dropped_bytes(num_ranges, 0);
     for (size_t t = 0; t + 1 < num_tables; ++t) {
       CountTable& table = *tables[t];
       const int range_bits = table.bits() - shard_bits;
       const size_t begin = shard << range_bits;
       const size_t end = (shard + 1) << range_bits;
       const size_t mask = table.capacity() - 1;
-      // Slots [begin, end) and, past end, the rest of the run of full slots: a key of this shard
-      // whose home is below end sits at or after its home with no empty slot in between (the last
-      // shard's run wraps around to slot 0).
-      for (size_t i = begin;; ++i) {
-        const size_t idx = i & mask;
+      // One key of this table: merged with its entries in the later tables.
+      auto merge_entry = [&](size_t idx) {
         const CountTable::Slot& slot = table.slot(idx);
-        if (slot.meta == 0) {
-          if (i >= end) break;
-          continue;
-        }
-        if ((slot.tag() >> (32 - shard_bits)) != shard) continue;
+        if ((slot.tag() >> (32 - shard_bits)) != shard) return;
         int64_t& count = table.count_at(idx);
-        if (count == CountTable::kDropped) continue;
+        if (count == CountTable::kDropped) return;
         if (count < 0) {  // merged by an earlier table's entry, which found this one its owner
           count = -count;
-          continue;
+          return;
         }
         const uint8_t* long_bytes = slot.len() <= CountTable::kInlineBytes ? nullptr : table.key_bytes(slot);
         found.clear();
         int64_t total = count;
         size_t owner = t;
-        int64_t owner_pos = table.first_position(idx);
+        const int64_t pos = table.first_position(idx);
+        int64_t owner_pos = pos;
         for (size_t u = t + 1; u < num_tables; ++u) {
           const size_t other = tables[u]->find(slot.meta, slot.w0, slot.w1, long_bytes);
           if (other == CountTable::kNotFound) continue;
           // Untouched so far: an earlier table holding this key would have marked both entries.
           total += tables[u]->slot(other).count;
           found.emplace_back(u, other);
-          if (tables[u]->first_position(other) < owner_pos) {  // positions are unique
+          const int64_t other_pos = tables[u]->first_position(other);
+          if (other_pos < owner_pos) {  // positions are unique
             owner = u;
-            owner_pos = tables[u]->first_position(other);
+            owner_pos = other_pos;
           }
         }
-        if (found.empty()) continue;
+        if (found.empty()) return;
         // The owner's count is final here if it is this table or the last one (never walked); an
         // owner in a table between is marked negative, made final (not looked up again) when its
         // table is walked.
-        count = owner == t ? total : CountTable::kDropped;
-        for (const auto& [u, other] : found) {
-          tables[u]->count_at(other) = owner != u ? CountTable::kDropped : u + 1 == num_tables ? total : -total;
+        auto drop = [&](int64_t& dropped_count, int64_t dropped_pos) {
+          dropped_count = CountTable::kDropped;
+          const size_t range = ranges.range_of(dropped_pos);
+          ++shard_dropped[range];
+          shard_dropped_bytes[range] += slot.len();
+        };
+        if (owner == t) {
+          count = total;
+        } else {
+          drop(count, pos);
         }
+        for (const auto& [u, other] : found) {
+          if (owner == u) {
+            tables[u]->count_at(other) = u + 1 == num_tables ? total : -total;
+          } else {
+            drop(tables[u]->count_at(other), tables[u]->first_position(other));
+          }
+        }
+      };
+      // Slots [begin, end) and, past end, the rest of the run of full slots: a key of this shard
+      // whose home is below end sits at or after its home with no empty slot in between (the last
+      // shard's run wraps around to slot 0). Taken 8 at a time: which are full is a mask, not a
+      // branch per slot (about half are empty, at random).
+      for (size_t i = begin;; i += 8) {
+        uint32_t full = 0;
+        for (size_t b = 0; b < 8; ++b) full |= static_cast<uint32_t>(table.slot((i + b) & mask).meta != 0) << b;
+        bool last = false;
+        if (i + 8 > end) {
+          // Past end, the first empty slot ends the run.
+          const uint32_t past_end = i >= end ? 0xFFu : 0xFFu & ~((1u << (end - i)) - 1);
+          const uint32_t empty_past_end = ~full & past_end;
+          if (empty_past_end != 0) {
+            full &= (1u << std::countr_zero(empty_past_end)) - 1;
+            last = true;
+          }
+        }
+        for (; full != 0; full &= full - 1) merge_entry((i + static_cast<size_t>(std::countr_zero(full))) & mask);
+        if (last) break;
       }
     }
+    std::ranges::copy(shard_dropped, dropped.begin() + shard * num_ranges);
+    std::ranges::copy(shard_dropped_bytes, dropped_bytes.begin() + shard * num_ranges);
   });
+  for (size_t shard = 0; shard < num_shards; ++shard) {
+    for (size_t j = 0; j < num_ranges; ++j) {
+      ranges.dropped[j] += dropped[shard * num_ranges + j];
+      ranges.dropped_bytes[j] += dropped_bytes[shard * num_ranges + j];
+    }
+  }
 }
 
-// Writes the live entries of `tables` into `out` in first-position order. Each table's entries in
-// insertion order are sorted by position, and positions are unique across tables. Worker j takes
-// the positions in [bounds[j], bounds[j + 1]) and merges the tables run by run (a run: the entries
-// of one table before the next table's head, found by binary search; the tables' entries come in
-// long runs, one per chunk of text a worker counted) into its own part, then the parts are copied
-// into place.
-void write_in_position_order(const std::vector<const CountTable*>& tables, int64_t end_pos, int num_threads,
+// Writes the live entries of `tables` into `out` in first-position order, range j by writer j
+// straight into its place: the entries and key bytes before it are known from the tables'
+// insertion order (key bytes summed as they were inserted) less the dropped ones. A writer merges
+// the tables run by run (a run: the entries of one table before the next table's head, found by
+// binary search; they come in long runs, one per chunk of text a counting worker took).
+void write_in_position_order(const std::vector<CountTable*>& tables, const WriteRanges& ranges,
                              FlatPretokenCounts& out) {
   const size_t num_tables = tables.size();
-  size_t num_entries = 0;  // live and dropped
-  for (const CountTable* table : tables) num_entries += table->size();
-  const size_t num_workers = std::clamp<size_t>(num_entries / 65536, 1, static_cast<size_t>(num_threads));
-  auto pos_of = [&](size_t t, size_t k) { return tables[t]->first_position(tables[t]->slot_of_entry(k)); };
-  // Entries of table t in [from, to) at positions below `pos`.
-  auto index_of = [&](size_t t, int64_t pos, size_t from, size_t to) {
-    return *std::ranges::partition_point(std::views::iota(from, to), [&](size_t k) { return pos_of(t, k) < pos; });
-  };
-  auto count_below = [&](int64_t pos) {
-    size_t below = 0;
-    for (size_t t = 0; t < num_tables; ++t) below += index_of(t, pos, 0, tables[t]->size());
-    return below;
-  };
-  std::vector<int64_t> bounds(num_workers + 1, 0);
-  bounds[num_workers] = std::numeric_limits<int64_t>::max();
-  for (size_t j = 1; j < num_workers; ++j) {
-    // The smallest position with at least j / num_workers of the entries below it.
-    const size_t target = num_entries / num_workers * j;
-    bounds[j] = *std::ranges::partition_point(std::views::iota(bounds[j - 1], end_pos),
-                                              [&](int64_t pos) { return count_below(pos) < target; });
-  }
-  struct Part {
-    UninitializedBuffer<char> bytes;   // 16 bytes of slack: short keys are copied as two words
-    UninitializedBuffer<uint64_t> offsets;  // into bytes, one more than entries
-    UninitializedBuffer<int64_t> counts;
-  };
-  std::vector<Part> parts(num_workers);
-  run_workers(num_workers, static_cast<int>(num_workers), nullptr, [&](size_t j, int) {
-    std::vector<size_t> heads(num_tables), ends(num_tables);
-    size_t max_entries = 0;
+  const size_t num_ranges = ranges.size();
+  // Per range: its first table entries, first output entry and first output byte.
+  std::vector<size_t> heads(num_tables * (num_ranges + 1));
+  std::vector<uint64_t> first_out(num_ranges + 1, 0), first_byte(num_ranges + 1, 0);
+  for (size_t j = 0; j <= num_ranges; ++j) {
     for (size_t t = 0; t < num_tables; ++t) {
-      heads[t] = index_of(t, bounds[j], 0, tables[t]->size());
-      ends[t] = index_of(t, bounds[j + 1], heads[t], tables[t]->size());
-      max_entries += ends[t] - heads[t];
+      const CountTable& table = *tables[t];
+      const size_t head = j == 0 ? 0 : j == num_ranges ? table.size()
+                                                      : entries_below(table, ranges.bounds[j], 0, table.size());
+      heads[j * num_tables + t] = head;
+      first_out[j] += head;
+      first_byte[j] += table.key_bytes_before(head);
     }
-    Part& part = parts[j];
-    part.offsets.resize(max_entries + 1);
-    part.counts.resize(max_entries);
-    part.bytes.resize(8 * max_entries + 64);
-    // Locals, not the buffers' members: stores through char* may alias anything else in memory.
-    size_t num_out = 0;
-    size_t num_bytes = 0;
-    uint64_t* const offsets = part.offsets.data();
-    int64_t* const counts = part.counts.data();
-    char* bytes = part.bytes.data();
-    offsets[0] = 0;
+    for (size_t i = 0; i < j; ++i) {
+      first_out[j] -= ranges.dropped[i];
+      first_byte[j] -= ranges.dropped_bytes[i];
+    }
+  }
+  out.bytes.resize(first_byte[num_ranges]);
+  out.offsets.resize(first_out[num_ranges] + 1);
+  out.counts.resize(first_out[num_ranges]);
+  out.offsets[0] = 0;
+  run_workers(num_ranges, static_cast<int>(num_ranges), nullptr, [&](size_t j, int) {
+    std::vector<size_t> head(heads.begin() + j * num_tables, heads.begin() + (j + 1) * num_tables);
+    const size_t* const end = heads.data() + (j + 1) * num_tables;
+    auto pos_of = [&](size_t t, size_t k) { return tables[t]->first_position(tables[t]->slot_of_entry(k)); };
+    // Locals, not members: stores through char* may alias anything else in memory.
+    size_t num_out = first_out[j];
+    uint64_t num_bytes = first_byte[j];
+    const uint64_t safe_end = first_byte[j + 1] >= 16 ? first_byte[j + 1] - 16 : 0;  // 16-byte stores stay in range
+    char* const bytes = out.bytes.data();
+    uint64_t* const offsets = out.offsets.data();
+    int64_t* const counts = out.counts.data();
     while (true) {
       size_t best = num_tables;
       int64_t best_pos = 0, next_pos = std::numeric_limits<int64_t>::max();
       for (size_t t = 0; t < num_tables; ++t) {
-        if (heads[t] == ends[t]) continue;
-        const int64_t pos = pos_of(t, heads[t]);
+        if (head[t] == end[t]) continue;
+        const int64_t pos = pos_of(t, head[t]);
         if (best == num_tables || pos < best_pos) {
           if (best != num_tables) next_pos = std::min(next_pos, best_pos);
           best = t;
@@ -1473,19 +1545,15 @@ void write_in_position_order(const std::vector<const CountTable*>& tables, int64
       const CountTable& table = *tables[best];
       const CountTable::Slot* const slots = table.slots();
       const uint32_t* const order = table.entry_slots();
-      const size_t run_end = num_tables == 1 ? ends[best] : index_of(best, next_pos, heads[best], ends[best]);
+      const size_t run_end = num_tables == 1 ? end[best] : entries_below(table, next_pos, head[best], end[best]);
       constexpr size_t kAhead = 16;
-      for (size_t k = heads[best]; k < run_end; ++k) {
+      for (size_t k = head[best]; k < run_end; ++k) {
         if (k + kAhead < run_end) __builtin_prefetch(&slots[order[k + kAhead]]);
         const CountTable::Slot& slot = slots[order[k]];
         const int64_t count = slot.count;
         if (count == CountTable::kDropped) continue;
         const uint32_t len = slot.len();
-        if (part.bytes.size() < num_bytes + len + 16) {
-          part.bytes.resize(2 * (num_bytes + len + 16));
-          bytes = part.bytes.data();
-        }
-        if (len <= CountTable::kInlineBytes) {
+        if (len <= CountTable::kInlineBytes && num_bytes <= safe_end) {
           std::memcpy(bytes + num_bytes, &slot.w0, 16);
         } else {
           std::memcpy(bytes + num_bytes, table.key_bytes(slot), len);
@@ -1494,33 +1562,8 @@ void write_in_position_order(const std::vector<const CountTable*>& tables, int64
         counts[num_out] = count;
         offsets[++num_out] = num_bytes;
       }
-      heads[best] = run_end;
+      head[best] = run_end;
     }
-    part.bytes.resize(num_bytes);
-    part.offsets.resize(num_out + 1);
-    part.counts.resize(num_out);
-  });
-  if (num_workers == 1) {
-    out.bytes = std::move(parts[0].bytes);
-    out.offsets = std::move(parts[0].offsets);
-    out.counts = std::move(parts[0].counts);
-    return;
-  }
-  std::vector<size_t> first_entry(num_workers + 1, 0), first_byte(num_workers + 1, 0);
-  for (size_t j = 0; j < num_workers; ++j) {
-    first_entry[j + 1] = first_entry[j] + parts[j].counts.size();
-    first_byte[j + 1] = first_byte[j] + parts[j].bytes.size();
-  }
-  out.bytes.resize(first_byte[num_workers]);
-  out.offsets.resize(first_entry[num_workers] + 1);
-  out.counts.resize(first_entry[num_workers]);
-  out.offsets[0] = 0;
-  run_workers(num_workers, static_cast<int>(num_workers), nullptr, [&](size_t j, int) {
-    const Part& part = parts[j];
-    std::memcpy(out.bytes.data() + first_byte[j], part.bytes.data(), part.bytes.size());
-    std::memcpy(out.counts.data() + first_entry[j], part.counts.data(), part.counts.size() * sizeof(int64_t));
-    uint64_t* offsets = out.offsets.data() + first_entry[j];
-    for (size_t k = 1; k < part.offsets.size(); ++k) offsets[k] = first_byte[j] + part.offsets[k];
   });
 }
 
@@ -1532,9 +1575,10 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
   for (CountTable& table : impl.tables) {
     if (table.size() > 0) sources.push_back(&table);
   }
-  if (sources.size() > 1) merge_tables(sources, impl.options.num_threads);
+  WriteRanges ranges = split_for_writing(sources, impl.stream_pos, impl.options.num_threads);
+  if (sources.size() > 1) merge_tables(sources, impl.options.num_threads, ranges);
   FlatPretokenCounts out;
-  write_in_position_order({sources.begin(), sources.end()}, impl.stream_pos, impl.options.num_threads, out);
+  write_in_position_order(sources, ranges, out);
   for (CountTable& table : impl.tables) table.clear();
   impl.stream_pos = 0;
   return out;
