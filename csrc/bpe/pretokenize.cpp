@@ -567,7 +567,9 @@ inline uint64_t short_hash(uint64_t w0, uint64_t w1, uint32_t len) {
 }
 
 
-class CountTable {
+// Cache-line aligned: each worker's table members (written on every insert) never share a line with
+// another worker's (read on every pre-token).
+class alignas(128) CountTable {
  public:
   static constexpr uint32_t kInlineBytes = 16;
 
