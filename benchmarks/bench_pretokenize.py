@@ -9,11 +9,11 @@ One run times, on gcide (English) and multilingual (26 languages) from ../shared
                  per-thread hash parts into flat arrays in first-occurrence order (the native counter's
                  add_file + finish_arrays), and "+dict" = the whole public call, which also builds the
                  dict[bytes, int] (Python objects, one thread, GIL held); pretokenize(text) -> list[str]
-The Python baselines run on the first --baseline-mb MB of each corpus (they take ~10 s per 40 MB);
-native timings use the whole file. MB/s are decoded MB of text per second of wall time (median of
-the repeats; the 1-thread and all-thread calls take turns, so a slow spell of a shared machine
-hits both alike); "per CPU-s" divides by the CPU time the process used instead (user + sys, all threads),
-which stays meaningful when the machine is shared.
+The Python baselines run on the first 8 MB of each corpus (2 with --quick; they take ~10 s per
+40 MB); native timings use the whole file. MB/s are decoded MB of text per second of wall time
+(median of the repeats; regex, the 1-thread and the all-thread calls take turns, so a slow spell of
+a shared machine hits them all alike); "per CPU-s" divides by the CPU time the process used instead
+(user + sys, all threads), which stays meaningful when the machine is shared.
 """
 
 from __future__ import annotations
@@ -107,7 +107,6 @@ def main() -> None:
 
     baseline_mb = 2 if args.quick else 8
     repeats = 2 if args.quick else 7
-    regex_repeats = 1 if args.quick else 3
     threads = resolve_num_threads(None)
     native_id = {"gpt2": 0, "cl100k": 1, "o200k": 2}
     rows = []
@@ -121,11 +120,9 @@ def main() -> None:
         prefix_mb = len(prefix.encode("utf-8")) / 1e6
         for name in ["gpt2", "cl100k", "o200k"]:
             compiled = regex.compile(PATTERNS[name])
-            expected, regex_s, regex_cpu = timed(lambda: Counter(map(str.encode, compiled.findall(prefix))),
-                                                 regex_repeats)
+            expected = Counter(map(str.encode, compiled.findall(prefix)))
             got_prefix = count_pretokens(iter([prefix]), pattern=name, num_threads=1)
             assert got_prefix == expected, f"{corpus}/{name}: native counts differ from regex"
-            regex_rate = prefix_mb / regex_s
 
             def native(num_threads: int):
                 counter = _core.BpePretokenCounter(native_id[name], [], 0, num_threads)
@@ -141,11 +138,15 @@ def main() -> None:
 
             # The dict build alone: CPU time of finish() (dict) minus finish_arrays(), best of the repeats.
             dict_cpu = min(finish_only(True) for _ in range(repeats)) - min(finish_only(False) for _ in range(repeats))
-            fns = {}
+            # regex takes its turn in the same rounds: this machine's speed drifts over seconds, and
+            # a ratio of two timings taken a minute apart would measure the drift.
+            fns = {"regex": lambda: Counter(map(str.encode, compiled.findall(prefix)))}
             for n in (1, threads):
                 fns[("native", n)] = lambda n=n: native(n)
                 fns[("full", n)] = lambda n=n: count_pretokens(path, pattern=name, num_threads=n)
             medians = interleaved(fns, repeats)
+            regex_s, regex_cpu = medians["regex"]
+            regex_rate = prefix_mb / regex_s
             cells = {n: (*medians[("native", n)], *medians[("full", n)]) for n in (1, threads)}
             _, list_s, _ = timed(lambda: pretokenize(text, pattern=name), 1)
             one, many = cells[1], cells[threads]
@@ -191,8 +192,8 @@ def main() -> None:
     body = (
         "`count_pretokens` vs `Counter(regex.findall(...))` (regex "
         f"{regex.__version__}) on the first {baseline_mb} MB, both checked equal; native on the whole file "
-        f"(gcide 40 MB, multilingual 21.5 MB), median of {repeats} runs with the 1-thread and "
-        f"{threads}-thread calls taking turns (regex: median of {regex_repeats}). \"scan+count\": file read (mmap) + UTF-8 "
+        f"(gcide 40 MB, multilingual 21.5 MB), median of {repeats} rounds in which regex, the 1-thread and "
+        f"the {threads}-thread calls take turns. \"scan+count\": file read (mmap) + UTF-8 "
         "check + scan + count + parallel merge into flat arrays in first-occurrence order (the native "
         "counter alone); \"+dict\": the public `count_pretokens` call, which also builds the "
         "dict[bytes, int] on one thread (Python objects; its CPU time is the \"dict build\" column). "
