@@ -166,8 +166,9 @@ def test_seeded_ascii_windows(name):
     counter = _core.BpePretokenCounter(NATIVE_ID[name], [], 0, 2, chunk_bytes=97)
     counter.add_documents(docs)
     data, offsets, counts = counter.finish_arrays()
-    assert offsets.dtype == "uint64" and counts.dtype == "int64" and len(offsets) == len(counts) + 1
-    keys = [data[offsets[k]:offsets[k + 1]] for k in range(len(counts))]
+    assert data.dtype == "uint8" and offsets.dtype == "uint64" and counts.dtype == "int64"
+    assert len(offsets) == len(counts) + 1 and offsets[-1] == len(data)
+    keys = [data[offsets[k]:offsets[k + 1]].tobytes() for k in range(len(counts))]
     assert dict(zip(keys, counts.tolist())) == expected and keys == list(expected)
 
 

@@ -200,7 +200,12 @@ class Counter {
       py::gil_scoped_release release;
       counts = counter_->finish_flat();
     }
-    py::bytes data(counts.bytes.data(), counts.bytes.size());
+    // The key bytes as a uint8 array that owns them (no copy).
+    auto owned = std::make_unique<UninitializedBuffer<char>>(std::move(counts.bytes));
+    py::capsule free_when_done(owned.get(), [](void* p) { delete static_cast<UninitializedBuffer<char>*>(p); });
+    auto* bytes = owned.release();  // the capsule owns it now
+    py::array_t<uint8_t> data({static_cast<py::ssize_t>(bytes->size())}, reinterpret_cast<uint8_t*>(bytes->data()),
+                              free_when_done);
     return py::make_tuple(std::move(data), to_numpy(std::move(counts.offsets)), to_numpy(std::move(counts.counts)));
   }
 
@@ -263,7 +268,7 @@ void register_bpe_pretokenize(py::module_& m) {
       .def("finish", &Counter::finish, "dict[bytes, int] in first-occurrence order; empties the counter.")
       .def("finish_table", &Counter::finish_table, "finish() as a native BpeWordTable (no dict); empties the counter.")
       .def("finish_arrays", &Counter::finish_arrays,
-           "(bytes, uint64 offsets[n + 1], int64 counts[n]) in first-occurrence order; empties the counter.");
+           "(uint8 key bytes, uint64 offsets[n + 1], int64 counts[n]) in first-occurrence order; empties the counter.");
 }
 
 }  // namespace trainfast::bindings
