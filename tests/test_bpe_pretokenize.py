@@ -414,6 +414,8 @@ def test_bad_inputs(tmp_path):
         count_pretokens(["x"], num_threads=0)
     with pytest.raises(TypeError, match="num_threads must be an int"):
         count_pretokens(["x"], num_threads=1.5)
+    with pytest.raises(ValueError, match="num_threads must be <= 4096"):
+        count_pretokens(iter(["x"]), num_threads=10**9)
     with pytest.raises(TypeError, match="show_progress must be a bool"):
         count_pretokens(["x"], show_progress="yes")
     with pytest.raises(ValueError, match="pattern must be 0"):

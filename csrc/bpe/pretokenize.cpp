@@ -963,6 +963,8 @@ struct PretokenCounter::Impl {
 
   explicit Impl(CountOptions opts) : options(std::move(opts)), specials(options.special_tokens) {
     TF_CHECK_ARG(options.num_threads >= 1, "num_threads", options.num_threads, "must be >= 1");
+    // One count table per thread: an absurd count would allocate tables until memory runs out.
+    TF_CHECK_ARG(options.num_threads <= 4096, "num_threads", options.num_threads, "must be <= 4096");
     TF_CHECK_ARG(options.chunk_bytes >= 1, "chunk_bytes", options.chunk_bytes, "must be >= 1");
     TF_CHECK_ARG(options.block_bytes >= 16, "block_bytes", options.block_bytes, "must be >= 16");
     const int p = static_cast<int>(options.pattern);

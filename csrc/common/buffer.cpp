@@ -9,10 +9,13 @@
 #endif
 
 namespace trainfast {
+namespace {
+constexpr size_t kHugePage = size_t{2} << 20;
+size_t round_to_huge_pages(size_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
+}  // namespace
 
 void* allocate_large(size_t bytes) {
-  constexpr size_t kHugePage = size_t{2} << 20;
-  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  const size_t rounded = round_to_huge_pages(bytes);
   void* p = std::aligned_alloc(kHugePage, rounded);
   if (p == nullptr) throw std::bad_alloc();
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
@@ -24,11 +27,6 @@ void* allocate_large(size_t bytes) {
 void free_large(void* p) noexcept { std::free(p); }
 
 #if defined(__linux__)
-namespace {
-constexpr size_t kHugePage = size_t{2} << 20;
-size_t round_to_huge_pages(size_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
-}  // namespace
-
 void* allocate_zeroed(size_t bytes) {
   if (bytes < kLargeAllocation) {
     void* p = std::calloc(bytes == 0 ? 1 : bytes, 1);
