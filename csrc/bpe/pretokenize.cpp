@@ -1527,7 +1527,7 @@ void write_in_position_order(const std::vector<CountTable*>& tables, const Write
     // Locals, not members: stores through char* may alias anything else in memory.
     size_t num_out = first_out[j];
     uint64_t num_bytes = first_byte[j];
-    const uint64_t safe_end = first_byte[j + 1] >= 16 ? first_byte[j + 1] - 16 : 0;  // 16-byte stores stay in range
+    const uint64_t range_end = first_byte[j + 1];  // 16-byte stores must stay below it
     char* const bytes = out.bytes.data();
     uint64_t* const offsets = out.offsets.data();
     int64_t* const counts = out.counts.data();
@@ -1557,7 +1557,7 @@ void write_in_position_order(const std::vector<CountTable*>& tables, const Write
         const int64_t count = slot.count;
         if (count == CountTable::kDropped) continue;
         const uint32_t len = slot.len();
-        if (len <= CountTable::kInlineBytes && num_bytes <= safe_end) {
+        if (len <= CountTable::kInlineBytes && num_bytes + 16 <= range_end) {
           std::memcpy(bytes + num_bytes, &slot.w0, 16);
         } else {
           std::memcpy(bytes + num_bytes, table.key_bytes(slot), len);
