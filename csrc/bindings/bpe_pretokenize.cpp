@@ -200,13 +200,8 @@ class Counter {
       py::gil_scoped_release release;
       counts = counter_->finish_flat();
     }
-    // The key bytes as a uint8 array that owns them (no copy).
-    auto owned = std::make_unique<UninitializedBuffer<char>>(std::move(counts.bytes));
-    py::capsule free_when_done(owned.get(), [](void* p) { delete static_cast<UninitializedBuffer<char>*>(p); });
-    auto* bytes = owned.release();  // the capsule owns it now
-    py::array_t<uint8_t> data({static_cast<py::ssize_t>(bytes->size())}, reinterpret_cast<uint8_t*>(bytes->data()),
-                              free_when_done);
-    return py::make_tuple(std::move(data), to_numpy(std::move(counts.offsets)), to_numpy(std::move(counts.counts)));
+    return py::make_tuple(to_numpy(std::move(counts.bytes)), to_numpy(std::move(counts.offsets)),
+                          to_numpy(std::move(counts.counts)));
   }
 
   py::dict finish() {
@@ -221,7 +216,7 @@ class Counter {
     if (!out) throw py::error_already_set();
     for (Py_ssize_t k = 0; k < num_entries; ++k) {
       const uint64_t begin = counts.offsets[k];
-      PyObject* key = PyBytes_FromStringAndSize(counts.bytes.data() + begin,
+      PyObject* key = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(counts.bytes.data()) + begin,
                                                 static_cast<Py_ssize_t>(counts.offsets[k + 1] - begin));
       PyObject* value = key != nullptr ? PyLong_FromLongLong(counts.counts[k]) : nullptr;
       const int failed = value == nullptr || PyDict_SetItem(out.ptr(), key, value) != 0;

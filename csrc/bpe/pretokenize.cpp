@@ -664,8 +664,9 @@ class alignas(128) CountTable {
   // For merging tables after counting (then a count may also be kDropped).
   int64_t& count_at(size_t idx) { return slots_[idx].count; }
   int64_t first_position(size_t idx) const { return positions_[idx]; }
-  // The slot of entry k in insertion (= first-occurrence) order.
+  // The slot of entry k in insertion (= first-occurrence) order, and its first position.
   size_t slot_of_entry(size_t k) const { return order_[k]; }
+  int64_t entry_position(size_t k) const { return positions_[order_[k]]; }
   const uint32_t* entry_slots() const { return order_.data(); }
   // Key bytes of the entries before entry k (in insertion order).
   uint64_t key_bytes_before(size_t k) const { return key_bytes_before_[k]; }
@@ -1366,9 +1367,8 @@ struct WriteRanges {
 
 // Entries of a table in insertion order [from, to) at positions below `pos`.
 size_t entries_below(const CountTable& table, int64_t pos, size_t from, size_t to) {
-  return *std::ranges::partition_point(std::views::iota(from, to), [&](size_t k) {
-    return table.first_position(table.slot_of_entry(k)) < pos;
-  });
+  return *std::ranges::partition_point(std::views::iota(from, to),
+                                       [&](size_t k) { return table.entry_position(k) < pos; });
 }
 
 // Up to num_threads ranges with about the same number of entries (live or not) each.
@@ -1412,10 +1412,10 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
   const size_t num_shards = size_t{1} << shard_bits;
   const size_t num_tables = tables.size();
   const size_t num_ranges = ranges.size();
-  std::vector<uint64_t> dropped(num_shards * num_ranges, 0), dropped_bytes(num_shards * num_ranges, 0);
+  std::mutex tally_mutex;
   run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
     std::vector<std::pair<size_t, size_t>> found;  // (table, slot) of the key in later tables
-    // Tallied here, stored once at the end: shards' slots in `dropped` share cache lines.
+    // Tallied here and added once at the end (shared tallies would bounce a cache line).
     std::vector<uint64_t> shard_dropped(num_ranges, 0), shard_dropped_bytes(num_ranges, 0);
     for (size_t t = 0; t + 1 < num_tables; ++t) {
       CountTable& table = *tables[t];
@@ -1495,15 +1495,12 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
         if (last) break;
       }
     }
-    std::ranges::copy(shard_dropped, dropped.begin() + shard * num_ranges);
-    std::ranges::copy(shard_dropped_bytes, dropped_bytes.begin() + shard * num_ranges);
-  });
-  for (size_t shard = 0; shard < num_shards; ++shard) {
+    std::lock_guard<std::mutex> lock(tally_mutex);
     for (size_t j = 0; j < num_ranges; ++j) {
-      ranges.dropped[j] += dropped[shard * num_ranges + j];
-      ranges.dropped_bytes[j] += dropped_bytes[shard * num_ranges + j];
+      ranges.dropped[j] += shard_dropped[j];
+      ranges.dropped_bytes[j] += shard_dropped_bytes[j];
     }
-  }
+  });
 }
 
 // Writes the live entries of `tables` into `out` in first-position order, range j by writer j
@@ -1539,12 +1536,11 @@ void write_in_position_order(const std::vector<CountTable*>& tables, const Write
   run_workers(num_ranges, static_cast<int>(num_ranges), nullptr, [&](size_t j, int) {
     std::vector<size_t> head(heads.begin() + j * num_tables, heads.begin() + (j + 1) * num_tables);
     const size_t* const end = heads.data() + (j + 1) * num_tables;
-    auto pos_of = [&](size_t t, size_t k) { return tables[t]->first_position(tables[t]->slot_of_entry(k)); };
-    // Locals, not members: stores through char* may alias anything else in memory.
+    // Locals, not members: byte stores may alias anything else in memory.
     size_t num_out = first_out[j];
     uint64_t num_bytes = first_byte[j];
     const uint64_t range_end = first_byte[j + 1];  // 16-byte stores must stay below it
-    char* const bytes = out.bytes.data();
+    uint8_t* const bytes = out.bytes.data();
     uint64_t* const offsets = out.offsets.data();
     int64_t* const counts = out.counts.data();
     while (true) {
@@ -1552,7 +1548,7 @@ void write_in_position_order(const std::vector<CountTable*>& tables, const Write
       int64_t best_pos = 0, next_pos = std::numeric_limits<int64_t>::max();
       for (size_t t = 0; t < num_tables; ++t) {
         if (head[t] == end[t]) continue;
-        const int64_t pos = pos_of(t, head[t]);
+        const int64_t pos = tables[t]->entry_position(head[t]);
         if (best == num_tables || pos < best_pos) {
           if (best != num_tables) next_pos = std::min(next_pos, best_pos);
           best = t;
@@ -1610,7 +1606,8 @@ PretokenCounts PretokenCounter::finish() {
   out.counts.assign(flat.counts.begin(), flat.counts.end());
   out.pretokens.resize(out.counts.size());
   for (size_t k = 0; k < out.counts.size(); ++k) {
-    out.pretokens[k].assign(flat.bytes.data() + flat.offsets[k], flat.offsets[k + 1] - flat.offsets[k]);
+    out.pretokens[k].assign(reinterpret_cast<const char*>(flat.bytes.data()) + flat.offsets[k],
+                            flat.offsets[k + 1] - flat.offsets[k]);
   }
   return out;
 }

@@ -112,7 +112,7 @@ struct PretokenCounts {
 
 // The same, flat: pre-token k is bytes[offsets[k]:offsets[k + 1]] (offsets has one more entry).
 struct FlatPretokenCounts {
-  UninitializedBuffer<char> bytes;
+  UninitializedBuffer<uint8_t> bytes;
   UninitializedBuffer<uint64_t> offsets;
   UninitializedBuffer<int64_t> counts;
 };
