@@ -664,8 +664,7 @@ class alignas(128) CountTable {
   // For merging tables after counting (then a count may also be kDropped).
   int64_t& count_at(size_t idx) { return slots_[idx].count; }
   int64_t first_position(size_t idx) const { return positions_[idx]; }
-  // The slot of entry k in insertion (= first-occurrence) order, and its first position.
-  size_t slot_of_entry(size_t k) const { return order_[k]; }
+  // The first position of entry k in insertion (= first-occurrence) order, and every entry's slot.
   int64_t entry_position(size_t k) const { return positions_[order_[k]]; }
   const uint32_t* entry_slots() const { return order_.data(); }
   // Key bytes of the entries before entry k (in insertion order).
