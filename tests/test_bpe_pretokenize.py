@@ -8,6 +8,8 @@ import itertools
 import lzma
 import os
 import random
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -453,6 +455,36 @@ def test_file_turning_unclean_midway(tmp_path, errors, dirt):
         got = counter.finish()
         expected = ref.count_pretokens([expected_text], "cl100k", ["<|e|>"])
         assert got == expected and list(got) == list(expected)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and MADV_DONTNEED are Linux's")
+def test_file_memory_bounded_by_block(tmp_path):
+    # A memory-mapped file is dropped block by block as it is counted: peak RSS grows by about one
+    # block and the table, not by the file size. Measured in a fresh process that loads only the
+    # extension (the package would import torch) by VmHWM, the peak of this process's own memory
+    # (ru_maxrss would include the parent's, inherited through fork).
+    path = tmp_path / "big.txt"
+    line = "the quick brown fox jumps over the lazy dog 0123456789, again and again\n"
+    path.write_text(line * (96 * 2**20 // len(line)))
+    script = (
+        "import importlib.util, re, sys\n"
+        "def peak_kib():\n"
+        "    with open('/proc/self/status') as status:\n"
+        "        return int(re.search(r'VmHWM:\\s*(\\d+)', status.read()).group(1))\n"
+        "spec = importlib.util.spec_from_file_location('trainfast._core', sys.argv[1])\n"
+        "core = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(core)\n"
+        "counter = core.BpePretokenCounter(0, [], 0, 1, block_bytes=1 << 20)\n"
+        "before = peak_kib()\n"
+        "counter.add_file(sys.argv[2])\n"
+        "counts = counter.finish()\n"
+        "print(peak_kib() - before, counts[b' the'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, _core.__file__, str(path)],
+                            capture_output=True, text=True, check=True)
+    grown_kib, num_the = map(int, result.stdout.split())
+    assert num_the == path.stat().st_size // len(line)
+    assert grown_kib < 48 * 1024, f"peak RSS grew by {grown_kib} KiB counting a 96 MiB file"
 
 
 def test_cli_pretokenize(tmp_path, capsys):

@@ -953,6 +953,15 @@ size_t TextDecoder::decode(const uint8_t* raw, size_t n, bool final, int64_t bas
 namespace {
 bool scan_utf8(const uint8_t* s, size_t n, size_t* num_cr, size_t* num_crlf);
 bool is_clean_utf8(const uint8_t* s, size_t n);
+
+// Drops the whole pages of [data, data + size) from a read-only file mapping once that block is
+// counted (it is not read again): without this the whole file stayed resident until the end.
+void release_mapped(const uint8_t* data, size_t size) {
+  static const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + size) & ~(page - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
 }  // namespace
 
 struct PretokenCounter::Impl {
@@ -1057,10 +1066,12 @@ struct PretokenCounter::Impl {
       text = out;
       text_size = buffer.size();
     }
+    if (text != s) release_mapped(s, n);  // decoded into the buffer
     std::vector<Chunk> chunks;
     const size_t done = cut(text, text_size, text_size, stream_pos, chunks);
     if (done < text_size) chunks.push_back({text + done, text_size - done, stream_pos + static_cast<int64_t>(done)});
     count_chunks(chunks, interrupt, bytes_done);
+    if (text == s) release_mapped(s, n);
     stream_pos += static_cast<int64_t>(text_size);
   }
 
