@@ -254,6 +254,72 @@ def test_invalid_utf8_names_offset(tmp_path):
         count_pretokens([b"ok", b"ab\x80"])
 
 
+def _utf8_truth(data: bytes) -> tuple:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return (False,)
+    return (True, data.count(b"\r"), data.count(b"\r\n"))
+
+
+def _check_scan_utf8(data: bytes) -> None:
+    expected = _utf8_truth(data)
+    for simd in (True, False):
+        got = _core._scan_utf8(data, simd)
+        assert (got if expected[0] else got[:1]) == expected, (simd, data)
+
+
+# Where the SIMD check's neighbours cross a 16-byte lane, a 32-byte vector or a 64-byte block.
+BORDERS = [0, 1, 13, 14, 15, 16, 29, 30, 31, 32, 33, 61, 62, 63, 64, 65, 95, 126, 127]
+
+
+def test_scan_utf8_every_byte_pair_at_block_borders():
+    # Every error of the SIMD check shows in a pair of bytes or in a lead 2-3 bytes back (next test).
+    for pair in itertools.product(range(256), repeat=2):
+        at = BORDERS[(pair[0] * 7 + pair[1]) % len(BORDERS)]
+        after = b"" if pair[1] % 3 == 0 else b"y" * (pair[0] % 70)
+        _check_scan_utf8(b"x" * at + bytes(pair) + after)
+
+
+def test_scan_utf8_three_and_four_byte_sequences_at_block_borders():
+    leads = [0xC2, 0xDF, 0xE0, 0xE1, 0xEC, 0xED, 0xEE, 0xEF, 0xF0, 0xF1, 0xF3, 0xF4, 0xF5, 0xFF]
+    seconds = [0x41, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xE4]
+    for lead, second, third, fourth in itertools.product(leads, seconds, [0x41, 0x80, 0xBF, 0xC3], [None, 0x0D, 0x80, 0xBF]):
+        seq = bytes([lead, second, third] + ([] if fourth is None else [fourth]))
+        for at in BORDERS[::3]:
+            _check_scan_utf8(b"q" * at + seq + b"\n" + b"z" * (at % 5))
+
+
+def test_scan_utf8_cut_sequences_and_crlf_at_every_offset():
+    # A "\r\n" or a sequence split by a block border, and input ending right after a lead byte.
+    for at in range(200):
+        for piece in [b"\r\n", b"\r", b"\r\r\n", b"\xc3", b"\xc3\xa9", b"\xe4\xb8", b"\xe4\xb8\xad", b"\xf0\x9f\x98"]:
+            _check_scan_utf8(b"x" * at + piece)
+            _check_scan_utf8("\u00e9".encode() * (at // 2) + b"x" * (at % 2) + piece + b"\n")
+
+
+UTF8_PIECES = [b"a", b"\r", b"\n", b"\r\n", b" ", "é".encode(), "中".encode(), "😀".encode(),
+               b"\x80", b"\xbf", b"\xff", b"\xc0\xaf", b"\xe4\xb8", b"\xf0\x9f\x98", b"\xed\xa0\x80",
+               b"\xf4\x90\x80\x80", b"\xf4\x8f\xbf\xbf", b"plain ascii words, " * 3]
+
+
+@many
+@given(st.lists(st.sampled_from(UTF8_PIECES), max_size=60))
+def test_scan_utf8_equals_python_decode(pieces):
+    _check_scan_utf8(b"".join(pieces))
+
+
+def test_scan_utf8_shared_corpus_and_its_damage(shared_dir):
+    with lzma.open(shared_dir / "corpora" / "multilingual.txt.xz") as src:
+        data = src.read(1 << 20)
+    _check_scan_utf8(data)
+    rng = random.Random(5)
+    for _ in range(200):
+        at = rng.randrange(len(data))
+        damaged = data[:at] + bytes([rng.randrange(0x80, 0x100)]) + data[at + 1 :]
+        _check_scan_utf8(damaged[max(0, at - rng.randrange(300)) : at + rng.randrange(300)])
+
+
 def test_results_independent_of_threads_and_ordered_by_first_occurrence():
     rng = random.Random(7)
     docs = ["".join(rng.choice(["the ", "cat ", "sat\n", "on ", "mat. ", "\u4e2d\u6587 ", "12 "]) for _ in range(5000))

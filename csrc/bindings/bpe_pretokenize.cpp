@@ -8,6 +8,7 @@
 
 #include "bindings/common.h"
 #include "bpe/pretokenize.h"
+#include "common/utf8.h"
 
 namespace trainfast::bindings {
 namespace {
@@ -253,6 +254,19 @@ void register_bpe_pretokenize(py::module_& m) {
         "Pre-tokens and special tokens of text, in order (pattern: 0 gpt2, 1 cl100k, 2 o200k).");
   m.def("bpe_pretokenize_ends", &pretokenize_ends, py::arg("text"), py::arg("pattern"),
         "int64 end offsets (code points) of the pre-tokens of text (no special tokens).");
+  // Internal, for tests: the file reader's UTF-8 check on either path.
+  m.def(
+      "_scan_utf8",
+      [](const py::bytes& data, bool simd) {
+        const std::string_view view(data);
+        const auto* s = reinterpret_cast<const uint8_t*>(view.data());
+        uint64_t num_cr = 0, num_crlf = 0;
+        const bool valid = simd ? scan_utf8_simd(s, view.size(), &num_cr, &num_crlf)
+                                : scan_utf8_scalar(s, view.size(), &num_cr, &num_crlf);
+        return py::make_tuple(valid, num_cr, num_crlf);
+      },
+      py::arg("data"), py::arg("simd"), "(valid UTF-8, count of \\r, count of \\r\\n) of data.");
+  m.def("_has_simd_utf8", &has_simd_utf8, "Whether the UTF-8 check runs on AVX2 here.");
   py::class_<Counter>(m, "BpePretokenCounter", "Counts pre-tokens over files and documents.")
       .def(py::init<int, const py::list&, int, int, size_t, size_t>(), py::arg("pattern"),
            py::arg("special_tokens"), py::arg("errors"), py::arg("num_threads"), py::arg("chunk_bytes") = 0,

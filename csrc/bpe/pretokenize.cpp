@@ -951,7 +951,6 @@ size_t TextDecoder::decode(const uint8_t* raw, size_t n, bool final, int64_t bas
 // ---------------------------------------------------------------------------------------------
 
 namespace {
-bool scan_utf8(const uint8_t* s, size_t n, size_t* num_cr, size_t* num_crlf);
 bool is_clean_utf8(const uint8_t* s, size_t n);
 
 // Drops the whole pages of [data, data + size) from a read-only file mapping once that block is
@@ -1029,13 +1028,13 @@ struct PretokenCounter::Impl {
       cuts.push_back(c);
     }
     cuts.push_back(n);
-    std::vector<size_t> num_cr(num_pieces, 0), num_crlf(num_pieces, 0);
+    std::vector<uint64_t> num_cr(num_pieces, 0), num_crlf(num_pieces, 0);
     std::vector<uint8_t> valid(num_pieces, 0);
     run_workers(num_pieces, options.num_threads, interrupt, [&](size_t k, int) {
       valid[k] = scan_utf8(s + cuts[k], cuts[k + 1] - cuts[k], &num_cr[k], &num_crlf[k]);
     });
     const bool all_valid = std::all_of(valid.begin(), valid.end(), [](uint8_t v) { return v != 0; });
-    const size_t total_cr = std::accumulate(num_cr.begin(), num_cr.end(), size_t{0});
+    const uint64_t total_cr = std::accumulate(num_cr.begin(), num_cr.end(), uint64_t{0});
     const uint8_t* text = s;
     size_t text_size = n;
     if (!all_valid) {
@@ -1169,59 +1168,8 @@ PretokenCounter::~PretokenCounter() = default;
 
 namespace {
 
-// Whether s[0:n) is valid UTF-8 made of complete characters; counts its "\r" and "\r\n".
-bool scan_utf8(const uint8_t* s, size_t n, size_t* num_cr, size_t* num_crlf) {
-  size_t i = 0;
-  while (i < n) {
-#if defined(__SSE2__)
-    // 64 bytes of plain ASCII without "\r" (nearly all English text) in a few instructions.
-    if (i + 64 <= n) {
-      const __m128i cr = _mm_set1_epi8('\r');
-      __m128i high = _mm_setzero_si128(), is_cr = _mm_setzero_si128();
-      for (size_t k = 0; k < 64; k += 16) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + k));
-        high = _mm_or_si128(high, v);
-        is_cr = _mm_or_si128(is_cr, _mm_cmpeq_epi8(v, cr));
-      }
-      if (_mm_movemask_epi8(_mm_or_si128(high, is_cr)) == 0) {
-        i += 64;
-        continue;
-      }
-    }
-#endif
-    if (i + 8 <= n) {
-      uint64_t w;
-      std::memcpy(&w, s + i, 8);
-      if ((w & 0x8080808080808080ull) == 0 && !has_zero_byte(w ^ 0x0D0D0D0D0D0D0D0Dull)) {
-        i += 8;
-        continue;
-      }
-    }
-    const uint8_t b = s[i];
-    if (b < 0x80) {
-      if (b == '\r') {
-        ++*num_cr;
-        if (i + 1 < n && s[i + 1] == '\n') ++*num_crlf;
-      }
-      ++i;
-      continue;
-    }
-    int num_continuation;
-    uint8_t lo, hi;
-    if (!utf8_lead(b, &num_continuation, &lo, &hi)) return false;
-    const size_t need = static_cast<size_t>(num_continuation);
-    if (i + need >= n) return false;  // unfinished at the end
-    if (s[i + 1] < lo || s[i + 1] > hi) return false;
-    for (size_t k = 2; k <= need; ++k) {
-      if ((s[i + k] & 0xC0) != 0x80) return false;
-    }
-    i += need + 1;
-  }
-  return true;
-}
-
 bool is_clean_utf8(const uint8_t* s, size_t n) {
-  size_t num_cr = 0, num_crlf = 0;
+  uint64_t num_cr = 0, num_crlf = 0;
   return scan_utf8(s, n, &num_cr, &num_crlf) && num_cr == 0;
 }
 

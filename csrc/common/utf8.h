@@ -1,6 +1,7 @@
 // UTF-8 well-formedness (Unicode Table 3-7), shared by the decoders.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace trainfast {
@@ -29,5 +30,14 @@ inline bool utf8_lead(uint8_t lead, int* num_continuation, uint8_t* first_lo, ui
   }
   return true;
 }
+
+// Whether s[0:n) is well-formed UTF-8 made of complete characters; when it is, adds its "\r" and
+// "\r\n" counts to *num_cr and *num_crlf. AVX2 (Keiser-Lemire lookup) where the CPU has it.
+bool scan_utf8(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* num_crlf);
+// The same, a byte at a time (the reference the SIMD path is tested against).
+bool scan_utf8_scalar(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* num_crlf);
+// The same, on the SIMD path whatever n is (scalar where the CPU has no AVX2); for tests.
+bool scan_utf8_simd(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* num_crlf);
+bool has_simd_utf8();
 
 }  // namespace trainfast
