@@ -663,9 +663,17 @@ class alignas(128) CountTable {
   const Slot& slot(size_t idx) const { return slots_[idx]; }
   // For merging tables after counting (then a count may also be kDropped).
   int64_t& count_at(size_t idx) { return slots_[idx].count; }
-  int64_t first_position(size_t idx) const { return positions_[idx]; }
+  // Lays the first positions out by slot, for first_position; call once counting is done. (The
+  // merge walks slots in order and moves forward through the other tables' slots: positions by
+  // slot keep its reads in that order.)
+  void index_positions() {
+    UninitializedBuffer<int64_t>(slots_.size()).swap(slot_positions_);
+    for (size_t k = 0; k < order_.size(); ++k) slot_positions_[order_[k]] = positions_[k];
+  }
+  // The first position of the key in slot idx (after index_positions).
+  int64_t first_position(size_t idx) const { return slot_positions_[idx]; }
   // The first position of entry k in insertion (= first-occurrence) order, and every entry's slot.
-  int64_t entry_position(size_t k) const { return positions_[order_[k]]; }
+  int64_t entry_position(size_t k) const { return positions_[k]; }
   const uint32_t* entry_slots() const { return order_.data(); }
   // Key bytes of the entries before entry k (in insertion order).
   uint64_t key_bytes_before(size_t k) const { return key_bytes_before_[k]; }
@@ -691,14 +699,18 @@ class alignas(128) CountTable {
   static constexpr int kInitialBits = 12;
   static constexpr size_t kMaxEntries = size_t{3} << 30;
 
+  // Entries that make the table grow: 3/4 of the slots, so probes stay short.
+  size_t max_entries() const { return slots_.size() / 4 * 3; }
+
   [[gnu::always_inline]] inline size_t home(uint64_t meta) const { return static_cast<size_t>((meta >> 32) >> shift_); }
 
   void reset(int bits) {
     ZeroedArray<Slot>(size_t{1} << bits).swap(slots_);
-    UninitializedBuffer<int64_t>(size_t{1} << bits).swap(positions_);
     mask_ = slots_.size() - 1;
     shift_ = 32 - bits;
     std::vector<uint32_t>().swap(order_);
+    UninitializedBuffer<int64_t>(max_entries()).swap(positions_);
+    UninitializedBuffer<int64_t>().swap(slot_positions_);
     std::vector<uint64_t>(1, 0).swap(key_bytes_before_);
     std::vector<uint8_t>().swap(arena_);
   }
@@ -714,18 +726,19 @@ class alignas(128) CountTable {
     }
     slot.count = 1;
     slot.meta = key.meta;
-    positions_[idx] = pos;
+    positions_[order_.size()] = pos;
     order_.push_back(static_cast<uint32_t>(idx));
     key_bytes_before_.push_back(key_bytes_before_.back() + len);
-    if (order_.size() * 4 > slots_.size() * 3) grow();
+    if (order_.size() >= max_entries()) grow();
   }
 
   void grow() {
     if (shift_ == 0 || order_.size() >= kMaxEntries) throw std::length_error("pre-token table is full");
     ZeroedArray<Slot> old_slots(slots_.size() * 2);
-    UninitializedBuffer<int64_t> old_positions(slots_.size() * 2);
     old_slots.swap(slots_);
+    UninitializedBuffer<int64_t> old_positions(max_entries());
     old_positions.swap(positions_);
+    std::copy_n(old_positions.begin(), order_.size(), positions_.begin());
     --shift_;
     mask_ = slots_.size() - 1;
     for (uint32_t& slot_idx : order_) {
@@ -733,7 +746,6 @@ class alignas(128) CountTable {
       size_t idx = home(old.meta);
       while (slots_[idx].count != 0) idx = (idx + 1) & mask_;
       slots_[idx] = old;
-      positions_[idx] = old_positions[slot_idx];
       slot_idx = static_cast<uint32_t>(idx);
     }
   }
@@ -742,10 +754,13 @@ class alignas(128) CountTable {
   // were TLB misses as well as cache misses. Zeroed lazily: each worker's table is cleared by the
   // worker itself as it fills, in parallel, not by the thread that sized the tables.
   ZeroedArray<Slot> slots_;
-  UninitializedBuffer<int64_t> positions_;  // first position of each slot's key (set on insert)
   size_t mask_ = 0;
   int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
   std::vector<uint32_t> order_;     // slot of each entry, in insertion order
+  // First position of each entry, in insertion order (one per slot was a random store per new key,
+  // 9% of counting English text); room for the most entries before the table grows.
+  UninitializedBuffer<int64_t> positions_;
+  UninitializedBuffer<int64_t> slot_positions_;  // positions_ by slot, for merging
   std::vector<uint64_t> key_bytes_before_;  // running sum of key lengths in that order, from 0
   std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
 };
@@ -1370,6 +1385,7 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
   const size_t num_shards = size_t{1} << shard_bits;
   const size_t num_tables = tables.size();
   const size_t num_ranges = ranges.size();
+  run_workers(num_tables, num_threads, nullptr, [&](size_t t, int) { tables[t]->index_positions(); });
   std::mutex tally_mutex;
   run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
     std::vector<std::pair<size_t, size_t>> found;  // (table, slot) of the key in later tables
@@ -1394,22 +1410,24 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
         const uint8_t* long_bytes = slot.len() <= CountTable::kInlineBytes ? nullptr : table.key_bytes(slot);
         found.clear();
         int64_t total = count;
-        size_t owner = t;
-        const int64_t pos = table.first_position(idx);
-        int64_t owner_pos = pos;
         for (size_t u = t + 1; u < num_tables; ++u) {
           const size_t other = tables[u]->find(slot.meta, slot.w0, slot.w1, long_bytes);
           if (other == CountTable::kNotFound) continue;
           // Untouched so far: an earlier table holding this key would have marked both entries.
           total += tables[u]->slot(other).count;
           found.emplace_back(u, other);
+        }
+        if (found.empty()) return;
+        size_t owner = t;
+        const int64_t pos = table.first_position(idx);
+        int64_t owner_pos = pos;
+        for (const auto& [u, other] : found) {
           const int64_t other_pos = tables[u]->first_position(other);
           if (other_pos < owner_pos) {  // positions are unique
             owner = u;
             owner_pos = other_pos;
           }
         }
-        if (found.empty()) return;
         // The owner's count is final here if it is this table or the last one (never walked); an
         // owner in a table between is marked negative, made final (not looked up again) when its
         // table is walked.
