@@ -667,7 +667,7 @@ class alignas(128) CountTable {
   // merge walks slots in order and moves forward through the other tables' slots: positions by
   // slot keep its reads in that order.)
   void index_positions() {
-    UninitializedBuffer<int64_t>(slots_.size()).swap(slot_positions_);
+    slot_positions_.reset(new int64_t[slots_.size()]);  // uninitialized: written for every entry
     for (size_t k = 0; k < order_.size(); ++k) slot_positions_[order_[k]] = positions_[k];
   }
   // The first position of the key in slot idx (after index_positions).
@@ -710,7 +710,7 @@ class alignas(128) CountTable {
     shift_ = 32 - bits;
     std::vector<uint32_t>().swap(order_);
     UninitializedBuffer<int64_t>(max_entries()).swap(positions_);
-    UninitializedBuffer<int64_t>().swap(slot_positions_);
+    slot_positions_.reset();
     std::vector<uint64_t>(1, 0).swap(key_bytes_before_);
     std::vector<uint8_t>().swap(arena_);
   }
@@ -760,7 +760,9 @@ class alignas(128) CountTable {
   // First position of each entry, in insertion order (one per slot was a random store per new key,
   // 9% of counting English text); room for the most entries before the table grows.
   UninitializedBuffer<int64_t> positions_;
-  UninitializedBuffer<int64_t> slot_positions_;  // positions_ by slot, for merging
+  // positions_ by slot, for merging. Plain heap memory: a huge-page block (or a fresh mapping)
+  // stalled 2-5 ms now and then on this short-lived buffer; freed heap pages are reused warm.
+  std::unique_ptr<int64_t[]> slot_positions_;
   std::vector<uint64_t> key_bytes_before_;  // running sum of key lengths in that order, from 0
   std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
 };
