@@ -668,7 +668,12 @@ class alignas(128) CountTable {
   // slot keep its reads in that order.)
   void index_positions() {
     slot_positions_.reset(new int64_t[slots_.size()]);  // uninitialized: written for every entry
-    for (size_t k = 0; k < order_.size(); ++k) slot_positions_[order_[k]] = positions_[k];
+    constexpr size_t kAhead = 16;
+    const size_t n = order_.size();
+    for (size_t k = 0; k < n; ++k) {
+      if (k + kAhead < n) __builtin_prefetch(&slot_positions_[order_[k + kAhead]], 1);
+      slot_positions_[order_[k]] = positions_[k];
+    }
   }
   // The first position of the key in slot idx (after index_positions).
   int64_t first_position(size_t idx) const { return slot_positions_[idx]; }
