@@ -178,7 +178,6 @@ struct SpaceRun {
   return run;
 }
 
-
 // '(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 [[gnu::always_inline]] inline size_t gpt2_next(const uint8_t* s, size_t i, size_t n) {
   const uint8_t c = s[i];
@@ -566,7 +565,6 @@ inline uint64_t short_hash(uint64_t w0, uint64_t w1, uint32_t len) {
   return h ^ (h >> 29);
 }
 
-
 // Cache-line aligned: each worker's table members (written on every insert) never share a line with
 // another worker's (read on every pre-token).
 class alignas(128) CountTable {
@@ -808,8 +806,6 @@ void run_workers(size_t num_items, int num_threads, Interrupt* interrupt,
   for (auto& t : threads) t.join();
   if (first_error) std::rethrow_exception(first_error);
 }
-
-inline bool has_zero_byte(uint64_t w) { return ((w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull) != 0; }
 
 std::string byte_hex(uint8_t b) {
   static const char* digits = "0123456789abcdef";

@@ -16,9 +16,7 @@ bool scan_utf8_scalar(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* nu
     if (i + 8 <= n) {
       uint64_t w;
       std::memcpy(&w, s + i, 8);
-      const uint64_t cr = w ^ 0x0D0D0D0D0D0D0D0Dull;  // a zero byte where w has "\r"
-      const bool has_cr = ((cr - 0x0101010101010101ull) & ~cr & 0x8080808080808080ull) != 0;
-      if ((w & 0x8080808080808080ull) == 0 && !has_cr) {
+      if ((w & 0x8080808080808080ull) == 0 && !has_zero_byte(w ^ 0x0D0D0D0D0D0D0D0Dull)) {
         i += 8;
         continue;
       }

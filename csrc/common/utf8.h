@@ -31,6 +31,9 @@ inline bool utf8_lead(uint8_t lead, int* num_continuation, uint8_t* first_lo, ui
   return true;
 }
 
+// Whether any byte of w is zero (w ^ 0x0D0D...: whether any byte is "\r").
+inline bool has_zero_byte(uint64_t w) { return ((w - 0x0101010101010101ull) & ~w & 0x8080808080808080ull) != 0; }
+
 // Whether s[0:n) is well-formed UTF-8 made of complete characters; when it is, adds its "\r" and
 // "\r\n" counts to *num_cr and *num_crlf. AVX2 (Keiser-Lemire lookup) where the CPU has it.
 bool scan_utf8(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* num_crlf);
