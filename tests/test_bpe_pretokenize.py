@@ -331,7 +331,7 @@ def test_results_independent_of_threads_and_ordered_by_first_occurrence():
 
 
 def test_many_unique_pretokens_ordered_for_any_thread_count():
-    # Enough unique pre-tokens that the final merge by first position is split among threads;
+    # Enough unique pre-tokens that the final merge in first-occurrence order is split among threads;
     # some longer than a table slot holds inline (20-digit numbers); the tables are first sized
     # for one small document, so they grow to different sizes.
     rng = random.Random(11)
@@ -344,6 +344,18 @@ def test_many_unique_pretokens_ordered_for_any_thread_count():
         counter = _core.BpePretokenCounter(0, [], 0, num_threads, chunk_bytes=4096)
         counter.add_documents(docs[:1])
         counter.add_documents(docs[1:])
+        got = counter.finish()
+        assert got == expected and list(got) == list(expected)
+
+
+def test_more_work_items_than_two_byte_ranks():
+    # Past 65536 work items the merge orders entries with four-byte ranks instead of two.
+    docs = [f" w{k} x{k % 7}" for k in range(70_000)]
+    expected = ref.count_pretokens(docs)
+    for num_threads in (2, 3):
+        counter = _core.BpePretokenCounter(0, [], 0, num_threads, chunk_bytes=1)
+        counter.add_documents(docs[:100])
+        counter.add_documents(docs[100:])
         got = counter.finish()
         assert got == expected and list(got) == list(expected)
 

@@ -619,14 +619,14 @@ class alignas(128) CountTable {
 
   [[gnu::always_inline]] inline void prefetch(uint64_t meta) const { __builtin_prefetch(&slots_[home(meta)]); }
 
-  // Counts one occurrence at stream position `pos`. A worker counts its chunks in stream order,
-  // so a key's first add has its first position, and insertion order is first-position order.
-  [[gnu::always_inline]] inline void add(const Key& key, int64_t pos) {
+  // Counts one occurrence. A worker counts its work items in stream order, so its insertion order
+  // is the order of first occurrences.
+  [[gnu::always_inline]] inline void add(const Key& key) {
     const uint32_t len = static_cast<uint32_t>(key.meta);
     for (size_t idx = home(key.meta);; idx = (idx + 1) & mask_) {
       Slot& slot = slots_[idx];
       if (slot.count == 0) {
-        insert(idx, key, pos);
+        insert(idx, key);
         return;
       }
       if (slot.meta == key.meta && slot.w0 == key.w0 &&
@@ -654,6 +654,22 @@ class alignas(128) CountTable {
     }
   }
 
+  // Keys inserted from now on were first seen in work item `item` (items are numbered in stream
+  // order over the counter's life, and each is counted by one worker into its own table).
+  void begin_item(uint64_t item) {
+    if (!runs_.empty() && runs_.back().first_entry == order_.size()) {
+      runs_.back().item = item;  // the previous item inserted nothing
+    } else {
+      runs_.push_back({item, order_.size()});
+    }
+  }
+  // The entries inserted during one work item: [first_entry, the next run's first_entry or size()).
+  struct Run {
+    uint64_t item;
+    size_t first_entry;
+  };
+  const std::vector<Run>& runs() const { return runs_; }
+
   size_t size() const { return order_.size(); }
   // 2^bits slots; a key's home slot is its tag's top `bits` bits.
   int bits() const { return 32 - shift_; }
@@ -661,22 +677,7 @@ class alignas(128) CountTable {
   const Slot& slot(size_t idx) const { return slots_[idx]; }
   // For merging tables after counting (then a count may also be kDropped).
   int64_t& count_at(size_t idx) { return slots_[idx].count; }
-  // Lays the first positions out by slot, for first_position; call once counting is done. (The
-  // merge walks slots in order and moves forward through the other tables' slots: positions by
-  // slot keep its reads in that order.)
-  void index_positions() {
-    slot_positions_.reset(new int64_t[slots_.size()]);  // uninitialized: written for every entry
-    constexpr size_t kAhead = 16;
-    const size_t n = order_.size();
-    for (size_t k = 0; k < n; ++k) {
-      if (k + kAhead < n) __builtin_prefetch(&slot_positions_[order_[k + kAhead]], 1);
-      slot_positions_[order_[k]] = positions_[k];
-    }
-  }
-  // The first position of the key in slot idx (after index_positions).
-  int64_t first_position(size_t idx) const { return slot_positions_[idx]; }
-  // The first position of entry k in insertion (= first-occurrence) order, and every entry's slot.
-  int64_t entry_position(size_t k) const { return positions_[k]; }
+  // Every entry's slot, in insertion (= first-occurrence) order.
   const uint32_t* entry_slots() const { return order_.data(); }
   // Key bytes of the entries before entry k (in insertion order).
   uint64_t key_bytes_before(size_t k) const { return key_bytes_before_[k]; }
@@ -712,13 +713,12 @@ class alignas(128) CountTable {
     mask_ = slots_.size() - 1;
     shift_ = 32 - bits;
     std::vector<uint32_t>().swap(order_);
-    UninitializedBuffer<int64_t>(max_entries()).swap(positions_);
-    slot_positions_.reset();
+    std::vector<Run>().swap(runs_);
     std::vector<uint64_t>(1, 0).swap(key_bytes_before_);
     std::vector<uint8_t>().swap(arena_);
   }
 
-  [[gnu::noinline]] void insert(size_t idx, const Key& key, int64_t pos) {
+  [[gnu::noinline]] void insert(size_t idx, const Key& key) {
     const uint32_t len = static_cast<uint32_t>(key.meta);
     Slot& slot = slots_[idx];
     slot.w0 = key.w0;
@@ -729,7 +729,6 @@ class alignas(128) CountTable {
     }
     slot.count = 1;
     slot.meta = key.meta;
-    positions_[order_.size()] = pos;
     order_.push_back(static_cast<uint32_t>(idx));
     key_bytes_before_.push_back(key_bytes_before_.back() + len);
     if (order_.size() >= max_entries()) grow();
@@ -739,9 +738,6 @@ class alignas(128) CountTable {
     if (shift_ == 0 || order_.size() >= kMaxEntries) throw std::length_error("pre-token table is full");
     ZeroedArray<Slot> old_slots(slots_.size() * 2);
     old_slots.swap(slots_);
-    UninitializedBuffer<int64_t> old_positions(max_entries());
-    old_positions.swap(positions_);
-    std::copy_n(old_positions.begin(), order_.size(), positions_.begin());
     --shift_;
     mask_ = slots_.size() - 1;
     for (uint32_t& slot_idx : order_) {
@@ -760,12 +756,7 @@ class alignas(128) CountTable {
   size_t mask_ = 0;
   int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
   std::vector<uint32_t> order_;     // slot of each entry, in insertion order
-  // First position of each entry, in insertion order (one per slot was a random store per new key,
-  // 9% of counting English text); room for the most entries before the table grows.
-  UninitializedBuffer<int64_t> positions_;
-  // positions_ by slot, for merging. Plain heap memory: a huge-page block (or a fresh mapping)
-  // stalled 2-5 ms now and then on this short-lived buffer; freed heap pages are reused warm.
-  std::unique_ptr<int64_t[]> slot_positions_;
+  std::vector<Run> runs_;           // entries by work item, in stream order
   std::vector<uint64_t> key_bytes_before_;  // running sum of key lengths in that order, from 0
   std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
 };
@@ -985,7 +976,7 @@ struct PretokenCounter::Impl {
   CountOptions options;
   SpecialTokenMatcher specials;
   std::vector<CountTable> tables;  // one per worker
-  int64_t stream_pos = 0;          // decoded bytes of all inputs so far: orders first occurrences
+  uint64_t num_items = 0;          // work items counted so far: numbers them in stream order
 
   explicit Impl(CountOptions opts) : options(std::move(opts)), specials(options.special_tokens) {
     TF_CHECK_ARG(options.num_threads >= 1, "num_threads", options.num_threads, "must be >= 1");
@@ -1001,7 +992,6 @@ struct PretokenCounter::Impl {
   struct Chunk {
     const uint8_t* data;
     size_t size;
-    int64_t pos;
   };
 
   bool safe_split(const uint8_t* s, size_t p, size_t n) const {
@@ -1085,58 +1075,57 @@ struct PretokenCounter::Impl {
     }
     if (text != s) release_mapped(s, n);  // decoded into the buffer
     std::vector<Chunk> chunks;
-    const size_t done = cut(text, text_size, text_size, stream_pos, chunks);
-    if (done < text_size) chunks.push_back({text + done, text_size - done, stream_pos + static_cast<int64_t>(done)});
-    count_chunks(chunks, interrupt, bytes_done);
+    const size_t done = cut(text, text_size, text_size, chunks);
+    if (done < text_size) chunks.push_back({text + done, text_size - done});
+    // Counted in place: each worker drops the pages of its chunks (the teardown runs in parallel),
+    // then the pages that straddle two chunks go.
+    count_chunks(chunks, interrupt, bytes_done, text == s);
     if (text == s) release_mapped(s, n);
-    stream_pos += static_cast<int64_t>(text_size);
   }
 
   // Cuts text[0:n) into chunks of about chunk_bytes at safe points before `limit`; returns the
   // end of the last chunk cut (the rest is left for the caller).
-  size_t cut(const uint8_t* s, size_t n, size_t limit, int64_t pos, std::vector<Chunk>& chunks) const {
+  size_t cut(const uint8_t* s, size_t n, size_t limit, std::vector<Chunk>& chunks) const {
     size_t start = 0;
     while (start + options.chunk_bytes < limit) {
       size_t p = start + options.chunk_bytes;
       while (p < limit && !safe_split(s, p, n)) ++p;
       if (p >= limit) break;
-      chunks.push_back({s + start, p - start, pos + static_cast<int64_t>(start)});
+      chunks.push_back({s + start, p - start});
       start = p;
     }
     return start;
   }
 
-  // Counts the pre-tokens of s[0:n) (stream position `pos`) into `table` through a ring of
-  // pending pre-tokens: each one's slot is prefetched kAhead pre-tokens before it is counted,
-  // which hides most cache misses of a large table.
+  // Counts the pre-tokens of s[0:n) into `table` through a ring of pending pre-tokens: each one's
+  // slot is prefetched kAhead pre-tokens before it is counted, which hides most cache misses of a
+  // large table.
   template <Pattern P>
-  void count_segment(const uint8_t* s, size_t n, int64_t pos, CountTable& table) const {
+  void count_segment(const uint8_t* s, size_t n, CountTable& table) const {
     constexpr unsigned kAhead = 16;
     CountTable::Key keys[kAhead];
-    int64_t starts[kAhead];
     unsigned num_pending = 0;
     scan_pretokens<P>(s, n, [&](size_t begin, size_t end) {
       if (end - begin > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
       const unsigned k = num_pending % kAhead;
-      if (num_pending >= kAhead) table.add(keys[k], starts[k]);
+      if (num_pending >= kAhead) table.add(keys[k]);
       keys[k] = CountTable::make_key(s + begin, static_cast<uint32_t>(end - begin), n - begin);
-      starts[k] = pos + static_cast<int64_t>(begin);
       table.prefetch(keys[k].meta);
       ++num_pending;
     });
     for (unsigned j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
-      table.add(keys[j % kAhead], starts[j % kAhead]);
+      table.add(keys[j % kAhead]);
     }
   }
 
   template <Pattern P>
   void count_chunk_impl(const Chunk& chunk, CountTable& table) const {
-    if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, chunk.pos, table);
+    if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, table);
     const std::string_view text(reinterpret_cast<const char*>(chunk.data), chunk.size);
     size_t i = 0;
     while (i < chunk.size) {
       const auto [start, len] = specials.find(text, i);
-      count_segment<P>(chunk.data + i, start - i, chunk.pos + static_cast<int64_t>(i), table);
+      count_segment<P>(chunk.data + i, start - i, table);
       if (len == 0) break;
       i = start + len;
     }
@@ -1152,7 +1141,9 @@ struct PretokenCounter::Impl {
 
   // Counts chunks in parallel, each worker into its own table (threads never share a cache line
   // while counting); consecutive small chunks are grouped into work items, pulled in order.
-  void count_chunks(const std::vector<Chunk>& chunks, Interrupt* interrupt, std::atomic<int64_t>* bytes_done) {
+  // `release`: the chunks lie in a file mapping, whose pages each worker drops once counted.
+  void count_chunks(const std::vector<Chunk>& chunks, Interrupt* interrupt, std::atomic<int64_t>* bytes_done,
+                    bool release = false) {
     std::vector<size_t> item_starts;
     size_t bytes = 0;
     for (size_t k = 0; k < chunks.size(); ++k) {
@@ -1163,21 +1154,24 @@ struct PretokenCounter::Impl {
       bytes += chunks[k].size;
     }
     item_starts.push_back(chunks.size());
-    run_workers(item_starts.size() - 1, options.num_threads, interrupt, [&](size_t item, int worker) {
+    const size_t num_new_items = item_starts.size() - 1;
+    run_workers(num_new_items, options.num_threads, interrupt, [&](size_t item, int worker) {
+      tables[worker].begin_item(num_items + item);
       int64_t item_bytes = 0;
       for (size_t k = item_starts[item]; k < item_starts[item + 1]; ++k) {
         count_chunk(chunks[k], tables[worker]);
+        if (release) release_mapped(chunks[k].data, chunks[k].size);
         item_bytes += static_cast<int64_t>(chunks[k].size);
       }
       if (bytes_done != nullptr) bytes_done->fetch_add(item_bytes, std::memory_order_relaxed);
     });
+    num_items += num_new_items;
   }
 
   // Cuts one whole document of decoded text into chunks.
-  void cut_document(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) {
-    const size_t done = n > 2 * options.chunk_bytes ? cut(s, n, n, stream_pos, chunks) : 0;
-    if (done < n) chunks.push_back({s + done, n - done, stream_pos + static_cast<int64_t>(done)});
-    stream_pos += static_cast<int64_t>(n);
+  void cut_document(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) const {
+    const size_t done = n > 2 * options.chunk_bytes ? cut(s, n, n, chunks) : 0;
+    if (done < n) chunks.push_back({s + done, n - done});
   }
 };
 
@@ -1275,17 +1269,14 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
     std::vector<Impl::Chunk> chunks;
     size_t done;
     if (eof) {
-      done = impl.cut(s, text.size(), text.size(), impl.stream_pos, chunks);
-      if (done < text.size()) {
-        chunks.push_back({s + done, text.size() - done, impl.stream_pos + static_cast<int64_t>(done)});
-      }
+      done = impl.cut(s, text.size(), text.size(), chunks);
+      if (done < text.size()) chunks.push_back({s + done, text.size() - done});
       done = text.size();
     } else {
       const size_t limit = text.size() > lookahead ? text.size() - lookahead : 0;
-      done = impl.cut(s, text.size(), limit, impl.stream_pos, chunks);
+      done = impl.cut(s, text.size(), limit, chunks);
     }
     impl.count_chunks(chunks, interrupt, bytes_done);
-    impl.stream_pos += static_cast<int64_t>(done);
     text.erase(0, done);
   }
 }
@@ -1328,47 +1319,99 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
 
 namespace {
 
-// The result is written by position range: writer j takes the keys first seen at positions in
-// [bounds[j], bounds[j + 1]), a run of each table's insertion order (which is sorted by position;
-// positions are unique across tables).
+// The entries of all tables in first-occurrence order, as spans: a span is entries [begin, end) of
+// one table, inserted during work items that no other table's entries come between. A span's rank
+// (its index) orders any two entries of different tables, which is all the merge needs to know:
+// no two tables count the same work item.
+struct Span {
+  size_t table;
+  size_t begin;
+  size_t end;
+};
+
+// The result is written by span: writer j takes spans [bounds[j], bounds[j + 1]).
 struct WriteRanges {
-  std::vector<int64_t> bounds;
+  std::vector<Span> spans;
+  std::vector<size_t> bounds;
   std::vector<uint64_t> dropped;        // entries in range j merged into another table's entry
   std::vector<uint64_t> dropped_bytes;  // their key bytes
   size_t size() const { return bounds.size() - 1; }
-  size_t range_of(int64_t pos) const {
-    return static_cast<size_t>(std::ranges::upper_bound(bounds, pos) - bounds.begin()) - 1;
+  size_t range_of(size_t rank) const {
+    return static_cast<size_t>(std::ranges::upper_bound(bounds, rank) - bounds.begin()) - 1;
   }
 };
 
-// Entries of a table in insertion order [from, to) at positions below `pos`.
-size_t entries_below(const CountTable& table, int64_t pos, size_t from, size_t to) {
-  return *std::ranges::partition_point(std::views::iota(from, to),
-                                       [&](size_t k) { return table.entry_position(k) < pos; });
-}
-
-// Up to num_threads ranges with about the same number of entries (live or not) each.
-WriteRanges split_for_writing(const std::vector<CountTable*>& tables, int64_t end_pos, int num_threads) {
-  size_t num_entries = 0;
-  for (const CountTable* table : tables) num_entries += table->size();
-  const size_t num_ranges = std::clamp<size_t>(num_entries / 65536, 1, static_cast<size_t>(num_threads));
-  WriteRanges ranges;
-  ranges.bounds.assign(num_ranges + 1, 0);
-  ranges.bounds[num_ranges] = std::numeric_limits<int64_t>::max();
-  auto count_below = [&](int64_t pos) {
-    size_t below = 0;
-    for (const CountTable* table : tables) below += entries_below(*table, pos, 0, table->size());
-    return below;
+// The spans, cut into up to 4 * num_threads ranges with about the same number of entries (live or
+// not) each; a span is cut where a range starts.
+WriteRanges split_for_writing(const std::vector<CountTable*>& tables, int num_threads) {
+  struct Piece {
+    uint64_t item;
+    Span span;
   };
-  for (size_t j = 1; j < num_ranges; ++j) {
-    // The smallest position with at least j / num_ranges of the entries below it.
-    const size_t target = num_entries / num_ranges * j;
-    ranges.bounds[j] = *std::ranges::partition_point(std::views::iota(ranges.bounds[j - 1], end_pos),
-                                                     [&](int64_t pos) { return count_below(pos) < target; });
+  std::vector<Piece> pieces;
+  size_t num_entries = 0;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const auto& runs = tables[t]->runs();
+    num_entries += tables[t]->size();
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const size_t end = r + 1 < runs.size() ? runs[r + 1].first_entry : tables[t]->size();
+      if (end > runs[r].first_entry) pieces.push_back({runs[r].item, {t, runs[r].first_entry, end}});
+    }
   }
+  std::ranges::sort(pieces, {}, &Piece::item);
+  std::vector<Span> spans;
+  for (const Piece& piece : pieces) {
+    if (!spans.empty() && spans.back().table == piece.span.table) {
+      spans.back().end = piece.span.end;  // the table's next run: nothing came between
+    } else {
+      spans.push_back(piece.span);
+    }
+  }
+  // A few ranges per thread, pulled in turn: the later ones (rarer keys, colder slots) write slower.
+  const size_t num_ranges = std::clamp<size_t>(num_entries / 32768, 1, 4 * static_cast<size_t>(num_threads));
+  WriteRanges ranges;
+  ranges.bounds.push_back(0);
+  size_t entries_before = 0;  // in ranges.spans
+  for (Span span : spans) {
+    // Range j starts at entry num_entries / num_ranges * j; entries_before never passes it.
+    while (ranges.bounds.size() < num_ranges) {
+      const size_t start = num_entries / num_ranges * ranges.bounds.size();
+      if (entries_before + (span.end - span.begin) <= start) break;
+      const size_t cut = span.begin + (start - entries_before);
+      if (cut > span.begin) {
+        ranges.spans.push_back({span.table, span.begin, cut});
+        entries_before += cut - span.begin;
+        span.begin = cut;
+      }
+      ranges.bounds.push_back(ranges.spans.size());
+    }
+    ranges.spans.push_back(span);
+    entries_before += span.end - span.begin;
+  }
+  while (ranges.bounds.size() <= num_ranges) ranges.bounds.push_back(ranges.spans.size());
   ranges.dropped.assign(num_ranges, 0);
   ranges.dropped_bytes.assign(num_ranges, 0);
   return ranges;
+}
+
+// The rank of each full slot's span (the merge walks slots in order and moves forward through the
+// other tables' slots: ranks by slot keep its reads in that order). Plain heap memory: a huge-page
+// block (or a fresh mapping) stalled 2-5 ms now and then on this short-lived buffer. Rank is the
+// narrowest type that holds every rank (two bytes keep the array in L2 for the usual table sizes).
+template <typename Rank>
+std::unique_ptr<Rank[]> rank_slots(const CountTable& table, size_t t, const std::vector<Span>& spans) {
+  std::unique_ptr<Rank[]> ranks(new Rank[table.capacity()]);  // uninitialized: read at full slots only
+  const uint32_t* const order = table.entry_slots();
+  constexpr size_t kAhead = 16;
+  for (size_t rank = 0; rank < spans.size(); ++rank) {
+    const Span& span = spans[rank];
+    if (span.table != t) continue;
+    for (size_t k = span.begin; k < span.end; ++k) {
+      if (k + kAhead < span.end) __builtin_prefetch(&ranks[order[k + kAhead]], 1);
+      ranks[order[k]] = static_cast<Rank>(rank);
+    }
+  }
+  return ranks;
 }
 
 // Merges the per-worker tables in place: afterwards every key has exactly one live entry, in the
@@ -1380,6 +1423,7 @@ WriteRanges split_for_writing(const std::vector<CountTable*>& tables, int64_t en
 // whole merge streams through memory instead of jumping to random slots. Worker s writes only the
 // counts of shard-s keys, and find() and the walk read only the key fields of other keys' slots,
 // so workers never race.
+template <typename Rank>
 void merge_tables(const std::vector<CountTable*>& tables, int num_threads, WriteRanges& ranges) {
   int min_bits = 32;
   for (const CountTable* table : tables) min_bits = std::min(min_bits, table->bits());
@@ -1388,7 +1432,9 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
   const size_t num_shards = size_t{1} << shard_bits;
   const size_t num_tables = tables.size();
   const size_t num_ranges = ranges.size();
-  run_workers(num_tables, num_threads, nullptr, [&](size_t t, int) { tables[t]->index_positions(); });
+  std::vector<std::unique_ptr<Rank[]>> slot_ranks(num_tables);
+  run_workers(num_tables, num_threads, nullptr,
+              [&](size_t t, int) { slot_ranks[t] = rank_slots<Rank>(*tables[t], t, ranges.spans); });
   std::mutex tally_mutex;
   run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
     std::vector<std::pair<size_t, size_t>> found;  // (table, slot) of the key in later tables
@@ -1422,34 +1468,34 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
         }
         if (found.empty()) return;
         size_t owner = t;
-        const int64_t pos = table.first_position(idx);
-        int64_t owner_pos = pos;
+        const size_t rank = slot_ranks[t][idx];
+        size_t owner_rank = rank;
         for (const auto& [u, other] : found) {
-          const int64_t other_pos = tables[u]->first_position(other);
-          if (other_pos < owner_pos) {  // positions are unique
+          const size_t other_rank = slot_ranks[u][other];
+          if (other_rank < owner_rank) {  // entries of different tables have different ranks
             owner = u;
-            owner_pos = other_pos;
+            owner_rank = other_rank;
           }
         }
         // The owner's count is final here if it is this table or the last one (never walked); an
         // owner in a table between is marked negative, made final (not looked up again) when its
         // table is walked.
-        auto drop = [&](int64_t& dropped_count, int64_t dropped_pos) {
+        auto drop = [&](int64_t& dropped_count, size_t dropped_rank) {
           dropped_count = CountTable::kDropped;
-          const size_t range = ranges.range_of(dropped_pos);
+          const size_t range = ranges.range_of(dropped_rank);
           ++shard_dropped[range];
           shard_dropped_bytes[range] += slot.len();
         };
         if (owner == t) {
           count = total;
         } else {
-          drop(count, pos);
+          drop(count, rank);
         }
         for (const auto& [u, other] : found) {
           if (owner == u) {
             tables[u]->count_at(other) = u + 1 == num_tables ? total : -total;
           } else {
-            drop(tables[u]->count_at(other), tables[u]->first_position(other));
+            drop(tables[u]->count_at(other), slot_ranks[u][other]);
           }
         }
       };
@@ -1482,39 +1528,29 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
   });
 }
 
-// Writes the live entries of `tables` into `out` in first-position order, range j by writer j
-// straight into its place: the entries and key bytes before it are known from the tables'
-// insertion order (key bytes summed as they were inserted) less the dropped ones. A writer merges
-// the tables run by run (a run: the entries of one table before the next table's head, found by
-// binary search; they come in long runs, one per chunk of text a counting worker took).
-void write_in_position_order(const std::vector<CountTable*>& tables, const WriteRanges& ranges,
-                             FlatPretokenCounts& out) {
-  const size_t num_tables = tables.size();
+// Writes the live entries of `tables` into `out` in first-occurrence order, range j by writer j
+// straight into its place: the entries and key bytes before it are known from the spans (key
+// bytes summed as they were inserted) less the dropped ones.
+void write_in_order(const std::vector<CountTable*>& tables, const WriteRanges& ranges, int num_threads,
+                    FlatPretokenCounts& out) {
   const size_t num_ranges = ranges.size();
-  // Per range: its first table entries, first output entry and first output byte.
-  std::vector<size_t> heads(num_tables * (num_ranges + 1));
+  // Per range: its first output entry and first output byte.
   std::vector<uint64_t> first_out(num_ranges + 1, 0), first_byte(num_ranges + 1, 0);
-  for (size_t j = 0; j <= num_ranges; ++j) {
-    for (size_t t = 0; t < num_tables; ++t) {
-      const CountTable& table = *tables[t];
-      const size_t head = j == 0 ? 0 : j == num_ranges ? table.size()
-                                                      : entries_below(table, ranges.bounds[j], 0, table.size());
-      heads[j * num_tables + t] = head;
-      first_out[j] += head;
-      first_byte[j] += table.key_bytes_before(head);
+  for (size_t j = 0; j < num_ranges; ++j) {
+    uint64_t num_entries = 0, num_bytes = 0;
+    for (size_t s = ranges.bounds[j]; s < ranges.bounds[j + 1]; ++s) {
+      const Span& span = ranges.spans[s];
+      num_entries += span.end - span.begin;
+      num_bytes += tables[span.table]->key_bytes_before(span.end) - tables[span.table]->key_bytes_before(span.begin);
     }
-    for (size_t i = 0; i < j; ++i) {
-      first_out[j] -= ranges.dropped[i];
-      first_byte[j] -= ranges.dropped_bytes[i];
-    }
+    first_out[j + 1] = first_out[j] + num_entries - ranges.dropped[j];
+    first_byte[j + 1] = first_byte[j] + num_bytes - ranges.dropped_bytes[j];
   }
   out.bytes.resize(first_byte[num_ranges]);
   out.offsets.resize(first_out[num_ranges] + 1);
   out.counts.resize(first_out[num_ranges]);
   out.offsets[0] = 0;
-  run_workers(num_ranges, static_cast<int>(num_ranges), nullptr, [&](size_t j, int) {
-    std::vector<size_t> head(heads.begin() + j * num_tables, heads.begin() + (j + 1) * num_tables);
-    const size_t* const end = heads.data() + (j + 1) * num_tables;
+  run_workers(num_ranges, num_threads, nullptr, [&](size_t j, int) {
     // Locals, not members: byte stores may alias anything else in memory.
     size_t num_out = first_out[j];
     uint64_t num_bytes = first_byte[j];
@@ -1522,28 +1558,14 @@ void write_in_position_order(const std::vector<CountTable*>& tables, const Write
     uint8_t* const bytes = out.bytes.data();
     uint64_t* const offsets = out.offsets.data();
     int64_t* const counts = out.counts.data();
-    while (true) {
-      size_t best = num_tables;
-      int64_t best_pos = 0, next_pos = std::numeric_limits<int64_t>::max();
-      for (size_t t = 0; t < num_tables; ++t) {
-        if (head[t] == end[t]) continue;
-        const int64_t pos = tables[t]->entry_position(head[t]);
-        if (best == num_tables || pos < best_pos) {
-          if (best != num_tables) next_pos = std::min(next_pos, best_pos);
-          best = t;
-          best_pos = pos;
-        } else {
-          next_pos = std::min(next_pos, pos);
-        }
-      }
-      if (best == num_tables) break;
-      const CountTable& table = *tables[best];
+    for (size_t s = ranges.bounds[j]; s < ranges.bounds[j + 1]; ++s) {
+      const Span& span = ranges.spans[s];
+      const CountTable& table = *tables[span.table];
       const CountTable::Slot* const slots = table.slots();
       const uint32_t* const order = table.entry_slots();
-      const size_t run_end = num_tables == 1 ? end[best] : entries_below(table, next_pos, head[best], end[best]);
       constexpr size_t kAhead = 16;
-      for (size_t k = head[best]; k < run_end; ++k) {
-        if (k + kAhead < run_end) __builtin_prefetch(&slots[order[k + kAhead]]);
+      for (size_t k = span.begin; k < span.end; ++k) {
+        if (k + kAhead < span.end) __builtin_prefetch(&slots[order[k + kAhead]]);
         const CountTable::Slot& slot = slots[order[k]];
         const int64_t count = slot.count;
         if (count == CountTable::kDropped) continue;
@@ -1557,7 +1579,6 @@ void write_in_position_order(const std::vector<CountTable*>& tables, const Write
         counts[num_out] = count;
         offsets[++num_out] = num_bytes;
       }
-      head[best] = run_end;
     }
   });
 }
@@ -1570,12 +1591,19 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
   for (CountTable& table : impl.tables) {
     if (table.size() > 0) sources.push_back(&table);
   }
-  WriteRanges ranges = split_for_writing(sources, impl.stream_pos, impl.options.num_threads);
-  if (sources.size() > 1) merge_tables(sources, impl.options.num_threads, ranges);
+  WriteRanges ranges = split_for_writing(sources, impl.options.num_threads);
+  if (sources.size() > 1) {
+    // Ranks are below the number of spans: at most one per work item, plus one per range cut.
+    if (impl.num_items + ranges.size() <= size_t{1} << 16) {
+      merge_tables<uint16_t>(sources, impl.options.num_threads, ranges);
+    } else {
+      merge_tables<uint32_t>(sources, impl.options.num_threads, ranges);
+    }
+  }
   FlatPretokenCounts out;
-  write_in_position_order(sources, ranges, out);
+  write_in_order(sources, ranges, impl.options.num_threads, out);
   for (CountTable& table : impl.tables) table.clear();
-  impl.stream_pos = 0;
+  impl.num_items = 0;
   return out;
 }
 
