@@ -9,6 +9,8 @@ One run times, on gcide (English) and multilingual (26 languages) from ../shared
                  per-thread hash parts into flat arrays in first-occurrence order (the native counter's
                  add_file + finish_arrays), and "+dict" = the whole public call, which also builds the
                  dict[bytes, int] (Python objects, one thread, GIL held); pretokenize(text) -> list[str]
+  - ceiling:     the same one-thread count in as many processes as cores at once, against one
+                 process alone: how far memory contention lets any multithreaded count scale here
 The Python baselines run on the first 8 MB of each corpus (2 with --quick; they take ~10 s per
 40 MB); native timings use the whole file. MB/s are decoded MB of text per second of wall time
 (median of the repeats; regex, the 1-thread and the all-thread calls take turns, so a slow spell of
@@ -22,6 +24,7 @@ import lzma
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -101,6 +104,37 @@ def available_parallelism(num_procs: int, work: int = 5_000_000) -> float:
     return num_procs * elapsed[0] / elapsed[1]
 
 
+# One process's share of the side-by-side run: `rounds` one-thread counts of a file, each time printed.
+_ONE_THREAD_COUNTS = """
+import sys, time
+from trainfast import _core
+path, pattern_id, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for _ in range(rounds):
+    start = time.perf_counter()
+    counter = _core.BpePretokenCounter(pattern_id, [], 0, 1)
+    counter.add_file(path)
+    counter.finish_arrays()
+    print(time.perf_counter() - start, flush=True)
+"""
+
+
+def side_by_side(path: Path, pattern_id: int, num_procs: int, rounds: int, turns: int = 3) -> float:
+    """How much counting work num_procs one-thread processes do at once, relative to one alone
+    (ideal: num_procs). Unlike spinning processes, these contend for memory as threads of one count
+    do, so this is the most a num_procs-thread count could scale on this machine. Median call
+    times; alone and together take turns."""
+    def median_call(procs: int) -> float:
+        runs = [subprocess.Popen([sys.executable, "-c", _ONE_THREAD_COUNTS, str(path), str(pattern_id), str(rounds)],
+                                 stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+        return statistics.median(float(line) for run in runs for line in run.communicate()[0].split())
+
+    alone, together = [], []
+    for _ in range(turns):
+        alone.append(median_call(1))
+        together.append(median_call(num_procs))
+    return num_procs * statistics.median(alone) / statistics.median(together)
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     import regex
@@ -153,8 +187,10 @@ def main() -> None:
             best_scaling = medians[("native", 1)][2] / medians[("native", threads)][2]
             _, list_s, _ = timed(lambda: pretokenize(text, pattern=name), 1)
             one, many = cells[1], cells[threads]
+            ceiling = ""
             if name == "gpt2":
                 gpt2_one = one
+                ceiling = f"{side_by_side(path, native_id[name], threads, repeats):.2f}x"
             rows.append([
                 corpus, name,
                 f"{regex_rate:.1f} ({prefix_mb / regex_cpu:.1f})",
@@ -165,6 +201,7 @@ def main() -> None:
                 f"{one[0] / many[0]:.2f}x ({many[1] / one[1]:.2f})",
                 f"{best_scaling:.2f}x",
                 f"{one[2] / many[2]:.2f}x",
+                ceiling,
                 f"{regex_s / prefix_mb / (one[0] / mb):.0f}x ({regex_cpu / prefix_mb / (one[1] / mb):.0f}x) / "
                 f"{regex_s / prefix_mb / (one[2] / mb):.0f}x ({regex_cpu / prefix_mb / (one[3] / mb):.0f}x)",
                 f"{dict_cpu * 1e3:.0f} ms",
@@ -178,7 +215,7 @@ def main() -> None:
             _, hf_s, hf_cpu = timed(lambda: byte_level.pre_tokenize_str(prefix), 1)
             gpt2_s, gpt2_cpu = gpt2_one[0] / mb, gpt2_one[1] / mb  # seconds per MB
             rows.append([corpus, "gpt2: HF tokenizers ByteLevel.pre_tokenize_str (in the regex column)",
-                         f"{prefix_mb / hf_s:.1f} ({prefix_mb / hf_cpu:.1f})", "", "", "", "", "", "", "",
+                         f"{prefix_mb / hf_s:.1f} ({prefix_mb / hf_cpu:.1f})", "", "", "", "", "", "", "", "",
                          f"{hf_s / prefix_mb / gpt2_s:.0f}x ({hf_cpu / prefix_mb / gpt2_cpu:.0f}x) scan+count vs HF",
                          "", ""])
             print(" | ".join(rows[-1]), flush=True)
@@ -189,7 +226,7 @@ def main() -> None:
               "native 1 thread scan+count MB/s", "1 thread +dict MB/s",
               f"{threads} threads scan+count MB/s", f"{threads} threads +dict MB/s",
               f"scaling 1->{threads} scan+count: wall (CPU-s ratio)", f"scaling 1->{threads} scan+count, best rounds",
-              f"scaling 1->{threads} +dict (wall)",
+              f"scaling 1->{threads} +dict (wall)", f"ceiling: {threads} one-thread counts side by side",
               "1 thread vs regex, wall (CPU): scan+count / +dict", "dict build (CPU time)", "pretokenize() -> list[str] MB/s"]
     table = markdown_table(header, rows)
     load = os.getloadavg()[0]
@@ -208,8 +245,11 @@ def main() -> None:
         "per second of CPU time the process used (all threads), which stays meaningful on a shared, busy "
         "machine; the scaling column's parenthesis is CPU-s with all threads / CPU-s with one (1.00 = "
         "no parallel overhead). \"best rounds\": fastest 1-thread round / fastest all-thread round "
-        "(timeit's estimate of the undisturbed times). Wall-clock scaling is only meaningful on an idle "
-        "machine.\n\n" + table
+        "(timeit's estimate of the undisturbed times). \"ceiling\": "
+        f"{threads} processes each running one-thread GPT-2 counts of the file at once did that many times "
+        "the work of one process alone (median call times, taking turns): the most a "
+        f"{threads}-thread count could scale here, since the threads contend for memory as these "
+        "processes do. Wall-clock scaling is only meaningful on an idle machine.\n\n" + table
     )
     print(body)
     if args.write_readme:
