@@ -9,8 +9,13 @@ One run times, on gcide (English) and multilingual (26 languages) from ../shared
                  per-thread hash parts into flat arrays in first-occurrence order (the native counter's
                  add_file + finish_arrays), and "+dict" = the whole public call, which also builds the
                  dict[bytes, int] (Python objects, one thread, GIL held); pretokenize(text) -> list[str]
-  - ceiling:     the same one-thread count in as many processes as cores at once, against one
-                 process alone: how far memory contention lets any multithreaded count scale here
+  - per core:    the one-thread scan+count pinned to each core in turn. The cores of a shared VM
+                 need not run at one speed (on the 2-vCPU dev VM one of them, either one, at times ran
+                 25-40% slower than the other), and an unpinned one-thread call runs on whichever the
+                 kernel picks, often the faster. "vs the average core" divides, round by round, the
+                 all-thread throughput by the mean throughput of the cores timed in that round: on
+                 equal cores it is the plain scaling, on unequal ones what N threads make of N cores
+                 rather than of the fastest one
 The Python baselines run on the first 8 MB of each corpus (2 with --quick; they take ~10 s per
 40 MB); native timings use the whole file. MB/s are decoded MB of text per second of wall time
 (median of the repeats; regex, the 1-thread and the all-thread calls take turns, so a slow spell of
@@ -24,7 +29,6 @@ import lzma
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -66,73 +70,51 @@ def timed(fn, repeats: int):
     return result, statistics.median(walls), statistics.median(cpus)
 
 
-def interleaved(fns: dict, repeats: int) -> dict:
-    """{name: (median wall s, median CPU s, best wall s)}: the functions take turns, `repeats`
-    rounds, so a slow spell of a shared machine hits them all alike instead of one of them. The
-    best round is timeit's estimate of the undisturbed time (slower rounds are mostly other work
-    on the machine, not variance of the code)."""
-    walls = {name: [] for name in fns}
-    cpus = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+def interleaved(fns: dict, repeats: int, rotating=None) -> tuple[dict, list[dict]]:
+    """({name: (median wall s, median CPU s, best wall s)}, [{name: wall s} per round]): the
+    functions take turns, `repeats` rounds, so a slow spell of a shared machine hits them all alike
+    instead of one of them. The best round is timeit's estimate of the undisturbed time (slower
+    rounds are mostly other work on the machine, not variance of the code). `rotating(r)`: more
+    {name: fn} for round r, run after `fns` in an order rotated by one each round (a call right
+    after one that built and freed a large dict ran ~7% slower: no call always gets that place)."""
+    walls, cpus, rounds = {}, {}, []
+    for r in range(repeats):
+        extra = list(rotating(r).items()) if rotating is not None else []
+        shift = r % len(extra) if extra else 0
+        rounds.append({})
+        for name, fn in list(fns.items()) + extra[shift:] + extra[:shift]:
             cpu_start, wall_start = cpu_seconds(), time.perf_counter()
             fn()
-            walls[name].append(time.perf_counter() - wall_start)
-            cpus[name].append(cpu_seconds() - cpu_start)
-    return {name: (statistics.median(walls[name]), statistics.median(cpus[name]), min(walls[name])) for name in fns}
+            rounds[-1][name] = time.perf_counter() - wall_start
+            walls.setdefault(name, []).append(rounds[-1][name])
+            cpus.setdefault(name, []).append(cpu_seconds() - cpu_start)
+    summary = {name: (statistics.median(walls[name]), statistics.median(cpus[name]), min(walls[name])) for name in walls}
+    return summary, rounds
 
 
-def _spin(n: int) -> None:
-    x = 0
-    for i in range(n):
-        x += i
+def pinned(fn, cpu: int):
+    """fn run on core `cpu` only (this thread's affinity, restored afterwards)."""
+    def call():
+        cores = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {cpu})
+        try:
+            return fn()
+        finally:
+            os.sched_setaffinity(0, cores)
+    return call
 
 
-def available_parallelism(num_procs: int, work: int = 5_000_000) -> float:
-    """How many cores this machine gives us right now: N spinning processes vs one (ideal: N)."""
-    import multiprocessing
-
-    elapsed = []
-    for procs in (1, num_procs):
-        start = time.perf_counter()
-        workers = [multiprocessing.Process(target=_spin, args=(work,)) for _ in range(procs)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        elapsed.append(time.perf_counter() - start)
-    return num_procs * elapsed[0] / elapsed[1]
-
-
-# One process's share of the side-by-side run: `rounds` one-thread counts of a file, each time printed.
-_ONE_THREAD_COUNTS = """
-import sys, time
-from trainfast import _core
-path, pattern_id, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for _ in range(rounds):
-    start = time.perf_counter()
-    counter = _core.BpePretokenCounter(pattern_id, [], 0, 1)
-    counter.add_file(path)
-    counter.finish_arrays()
-    print(time.perf_counter() - start, flush=True)
-"""
-
-
-def side_by_side(path: Path, pattern_id: int, num_procs: int, rounds: int, turns: int = 3) -> float:
-    """How much counting work num_procs one-thread processes do at once, relative to one alone
-    (ideal: num_procs). Unlike spinning processes, these contend for memory as threads of one count
-    do, so this is the most a num_procs-thread count could scale on this machine. Median call
-    times; alone and together take turns."""
-    def median_call(procs: int) -> float:
-        runs = [subprocess.Popen([sys.executable, "-c", _ONE_THREAD_COUNTS, str(path), str(pattern_id), str(rounds)],
-                                 stdout=subprocess.PIPE, text=True) for _ in range(procs)]
-        return statistics.median(float(line) for run in runs for line in run.communicate()[0].split())
-
-    alone, together = [], []
-    for _ in range(turns):
-        alone.append(median_call(1))
-        together.append(median_call(num_procs))
-    return num_procs * statistics.median(alone) / statistics.median(together)
+def cores_by_round(repeats: int, per_round: int = 4) -> list[list[int]]:
+    """The cores the pinned calls of each round run on: up to `per_round` a round, in rotation, so
+    every core is timed in several rounds (all of them every round on a machine with <= per_round)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux: no pinning
+        return [[] for _ in range(repeats)]
+    if len(cores) < 2:
+        return [[] for _ in range(repeats)]
+    k = min(per_round, len(cores))
+    return [[cores[(r * k + i) % len(cores)] for i in range(k)] for r in range(repeats)]
 
 
 def main() -> None:
@@ -178,19 +160,34 @@ def main() -> None:
             # a ratio of two timings taken a minute apart would measure the drift.
             fns = {"regex": lambda: Counter(map(str.encode, compiled.findall(prefix)))}
             for n in (1, threads):
-                fns[("native", n)] = lambda n=n: native(n)
                 fns[("full", n)] = lambda n=n: count_pretokens(path, pattern=name, num_threads=n)
-            medians = interleaved(fns, repeats)
+            core_rounds = cores_by_round(repeats)
+
+            def native_calls(r: int) -> dict:
+                calls = {("native", n): lambda n=n: native(n) for n in (1, threads)}
+                calls.update({("pinned", cpu): pinned(lambda: native(1), cpu) for cpu in core_rounds[r]})
+                return calls
+
+            medians, rounds = interleaved(fns, repeats, native_calls)
             regex_s, regex_cpu, _ = medians["regex"]
             regex_rate = prefix_mb / regex_s
             cells = {n: (*medians[("native", n)][:2], *medians[("full", n)][:2]) for n in (1, threads)}
             best_scaling = medians[("native", 1)][2] / medians[("native", threads)][2]
             _, list_s, _ = timed(lambda: pretokenize(text, pattern=name), 1)
             one, many = cells[1], cells[threads]
-            ceiling = ""
             if name == "gpt2":
                 gpt2_one = one
-                ceiling = f"{side_by_side(path, native_id[name], threads, repeats):.2f}x"
+            # MB/s of the one-thread call on each core; and per round, the all-thread call's speed
+            # over the mean speed of the cores timed in that round (a ratio of calls seconds apart,
+            # so the machine's drift over a run cancels), median over the rounds.
+            per_core = {key[1]: mb / value[0] for key, value in medians.items() if key[0] == "pinned"}
+            per_core_cell, vs_average_core = "", ""
+            if per_core:
+                per_core_cell = " / ".join(f"{rate:.0f}" for _, rate in sorted(per_core.items()))
+                ratios = [1 / walls[("native", threads)]
+                          / statistics.mean(1 / wall for key, wall in walls.items() if key[0] == "pinned")
+                          for walls in rounds]
+                vs_average_core = f"{statistics.median(ratios):.2f}x"
             rows.append([
                 corpus, name,
                 f"{regex_rate:.1f} ({prefix_mb / regex_cpu:.1f})",
@@ -200,8 +197,9 @@ def main() -> None:
                 f"{mb / many[2]:.0f} ({mb / many[3]:.0f})",
                 f"{one[0] / many[0]:.2f}x ({many[1] / one[1]:.2f})",
                 f"{best_scaling:.2f}x",
+                per_core_cell,
+                vs_average_core,
                 f"{one[2] / many[2]:.2f}x",
-                ceiling,
                 f"{regex_s / prefix_mb / (one[0] / mb):.0f}x ({regex_cpu / prefix_mb / (one[1] / mb):.0f}x) / "
                 f"{regex_s / prefix_mb / (one[2] / mb):.0f}x ({regex_cpu / prefix_mb / (one[3] / mb):.0f}x)",
                 f"{dict_cpu * 1e3:.0f} ms",
@@ -215,7 +213,7 @@ def main() -> None:
             _, hf_s, hf_cpu = timed(lambda: byte_level.pre_tokenize_str(prefix), 1)
             gpt2_s, gpt2_cpu = gpt2_one[0] / mb, gpt2_one[1] / mb  # seconds per MB
             rows.append([corpus, "gpt2: HF tokenizers ByteLevel.pre_tokenize_str (in the regex column)",
-                         f"{prefix_mb / hf_s:.1f} ({prefix_mb / hf_cpu:.1f})", "", "", "", "", "", "", "", "",
+                         f"{prefix_mb / hf_s:.1f} ({prefix_mb / hf_cpu:.1f})", "", "", "", "", "", "", "", "", "",
                          f"{hf_s / prefix_mb / gpt2_s:.0f}x ({hf_cpu / prefix_mb / gpt2_cpu:.0f}x) scan+count vs HF",
                          "", ""])
             print(" | ".join(rows[-1]), flush=True)
@@ -226,30 +224,31 @@ def main() -> None:
               "native 1 thread scan+count MB/s", "1 thread +dict MB/s",
               f"{threads} threads scan+count MB/s", f"{threads} threads +dict MB/s",
               f"scaling 1->{threads} scan+count: wall (CPU-s ratio)", f"scaling 1->{threads} scan+count, best rounds",
-              f"scaling 1->{threads} +dict (wall)", f"ceiling: {threads} one-thread counts side by side",
+              "1 thread scan+count pinned to each core MB/s", f"scaling: {threads} threads vs the average core",
+              f"scaling 1->{threads} +dict (wall)",
               "1 thread vs regex, wall (CPU): scan+count / +dict", "dict build (CPU time)", "pretokenize() -> list[str] MB/s"]
     table = markdown_table(header, rows)
     load = os.getloadavg()[0]
-    parallelism = available_parallelism(threads)
     body = (
         "`count_pretokens` vs `Counter(regex.findall(...))` (regex "
         f"{regex.__version__}) on the first {baseline_mb} MB, both checked equal; native on the whole file "
-        f"(gcide 40 MB, multilingual 21.5 MB), median of {repeats} rounds in which regex, the 1-thread and "
-        f"the {threads}-thread calls take turns. \"scan+count\": file read (mmap) + UTF-8 "
-        "check + scan + count + parallel merge into flat arrays in first-occurrence order (the native "
-        "counter alone); \"+dict\": the public `count_pretokens` call, which also builds the "
-        "dict[bytes, int] on one thread (Python objects; its CPU time is the \"dict build\" column). "
-        f"1-minute load average at the end: {load:.1f} on {os.cpu_count()} cores; {threads} spinning "
-        f"processes ran {parallelism:.2f}x as fast as one (the most any {threads}-thread scaling could "
-        "show here). Cells read `wall (per CPU-second)`: MB per second of wall time, and in parentheses MB "
+        f"(gcide 40 MB, multilingual 21.5 MB), median of {repeats} rounds in which regex, the 1-thread "
+        f"(unpinned and pinned to each core) and the {threads}-thread calls take turns. \"scan+count\": "
+        "file read (mmap) + UTF-8 check + scan + count + parallel merge into flat arrays in "
+        "first-occurrence order (the native counter alone); \"+dict\": the public `count_pretokens` call, "
+        "which also builds the dict[bytes, int] on one thread (Python objects; its CPU time is the "
+        f"\"dict build\" column). 1-minute load average at the end: {load:.1f} on {os.cpu_count()} cores. "
+        "Cells read `wall (per CPU-second)`: MB per second of wall time, and in parentheses MB "
         "per second of CPU time the process used (all threads), which stays meaningful on a shared, busy "
         "machine; the scaling column's parenthesis is CPU-s with all threads / CPU-s with one (1.00 = "
         "no parallel overhead). \"best rounds\": fastest 1-thread round / fastest all-thread round "
-        "(timeit's estimate of the undisturbed times). \"ceiling\": "
-        f"{threads} processes each running one-thread GPT-2 counts of the file at once did that many times "
-        "the work of one process alone (median call times, taking turns): the most a "
-        f"{threads}-thread count could scale here, since the threads contend for memory as these "
-        "processes do. Wall-clock scaling is only meaningful on an idle machine.\n\n" + table
+        "(timeit's estimate of the undisturbed times). \"pinned to each core\": the one-thread "
+        "scan+count with its thread pinned to core 0, core 1, ... (median MB/s per core); a VM's cores "
+        "need not run at one speed, and the unpinned one-thread call runs on whichever core the kernel "
+        f"picks. \"vs the average core\": in each round, {threads}-thread MB/s / the mean MB/s of the "
+        "cores pinned to in that round, median over the rounds: the scaling over one core of average "
+        "speed (the plain scaling when the cores are equal), from calls seconds apart. Wall-clock "
+        "scaling is only meaningful on an idle machine.\n\n" + table
     )
     print(body)
     if args.write_readme:
