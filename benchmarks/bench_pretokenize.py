@@ -110,7 +110,7 @@ def cores_by_round(repeats: int, per_round: int = 4) -> list[list[int]]:
     try:
         cores = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux: no pinning
-        return [[] for _ in range(repeats)]
+        cores = []
     if len(cores) < 2:
         return [[] for _ in range(repeats)]
     k = min(per_round, len(cores))

@@ -1075,8 +1075,7 @@ struct PretokenCounter::Impl {
     }
     if (text != s) release_mapped(s, n);  // decoded into the buffer
     std::vector<Chunk> chunks;
-    const size_t done = cut(text, text_size, text_size, chunks);
-    if (done < text_size) chunks.push_back({text + done, text_size - done});
+    cut_all(text, text_size, chunks);
     // Counted in place: each worker drops the pages of its chunks (the teardown runs in parallel),
     // then the pages that straddle two chunks go.
     count_chunks(chunks, interrupt, bytes_done, text == s);
@@ -1168,10 +1167,19 @@ struct PretokenCounter::Impl {
     num_items += num_new_items;
   }
 
-  // Cuts one whole document of decoded text into chunks.
-  void cut_document(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) const {
-    const size_t done = n > 2 * options.chunk_bytes ? cut(s, n, n, chunks) : 0;
+  // Cuts all of text[0:n) into chunks, the rest after the last safe cut being the last chunk.
+  void cut_all(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) const {
+    const size_t done = cut(s, n, n, chunks);
     if (done < n) chunks.push_back({s + done, n - done});
+  }
+
+  // Cuts one whole document of decoded text into chunks (a short one stays whole).
+  void cut_document(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) const {
+    if (n > 2 * options.chunk_bytes) {
+      cut_all(s, n, chunks);
+    } else if (n > 0) {
+      chunks.push_back({s, n});
+    }
   }
 };
 
@@ -1269,8 +1277,7 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
     std::vector<Impl::Chunk> chunks;
     size_t done;
     if (eof) {
-      done = impl.cut(s, text.size(), text.size(), chunks);
-      if (done < text.size()) chunks.push_back({s + done, text.size() - done});
+      impl.cut_all(s, text.size(), chunks);
       done = text.size();
     } else {
       const size_t limit = text.size() > lookahead ? text.size() - lookahead : 0;
