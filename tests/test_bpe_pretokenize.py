@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -626,3 +627,141 @@ def test_file_blocks_seeded(tmp_path, name):
             continue
         counter.add_file(str(path))
         assert counter.finish() == ref.count_pretokens([expected_text], name, specials), (trial, data)
+
+
+def _feed_fifo(path: Path, data: bytes) -> threading.Thread:
+    def write() -> None:
+        with open(path, "wb") as fifo:
+            for start in range(0, len(data), 4096):
+                fifo.write(data[start:start + 4096])
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    return writer
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("name", NAMES)
+def test_pipe_read_in_order(tmp_path, name):
+    # A pipe cannot be memory-mapped: it is read, decoded and cut as it arrives. Safe cuts are
+    # rare here (long runs without whitespace), so cuts must resume where the last read stopped.
+    rng = random.Random(11 + NATIVE_ID[name])
+    specials = ["<|e|>"]
+    for trial in range(12):
+        pieces = []
+        for _ in range(rng.randrange(1, 40)):
+            roll = rng.random()
+            if roll < 0.3:
+                pieces.append(("x" * rng.randrange(1, 300)).encode())
+            elif roll < 0.8:
+                pieces.append(_random_text(rng, 30).encode("utf-8", "surrogatepass"))
+            else:
+                pieces.append(rng.choice([b" ", b"\r\n", b"\r", b"<|e|>", b"\xff", b"\xe2\x82"]))
+        data = b"".join(pieces)
+        errors = ["strict", "replace", "ignore"][trial % 3]
+        fifo = tmp_path / f"pipe{trial}"
+        os.mkfifo(fifo)
+        writer = _feed_fifo(fifo, data)
+        counter = _core.BpePretokenCounter(NATIVE_ID[name], specials, trial % 3, 1 + trial % 2,
+                                           chunk_bytes=1 + trial % 5, block_bytes=16 + 7 * trial)
+        try:
+            text = ref.decode_like_file(data, errors)
+        except UnicodeDecodeError as error:
+            with pytest.raises(ValueError, match=f"byte offset {error.start}:"):
+                counter.add_file(str(fifo))
+            writer.join(timeout=10)
+            continue
+        counter.add_file(str(fifo))
+        writer.join(timeout=10)
+        got = counter.finish()
+        expected = ref.count_pretokens([text], name, specials)
+        assert got == expected and list(got) == list(expected)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_ctrl_c_stops_reading_a_pipe_without_cuts(tmp_path):
+    # No whitespace ever arrives, so no chunk can be cut and nothing is counted while the text
+    # grows: Ctrl-C must still stop the read.
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    script = (
+        "import os, signal, sys, threading, time\n"
+        "from trainfast.bpe import count_pretokens\n"
+        "def write():\n"
+        "    with open(sys.argv[1], 'wb') as fifo:\n"
+        "        while True:\n"
+        "            fifo.write(b'a' * 65536)\n"
+        "            time.sleep(0.0005)\n"
+        "threading.Thread(target=write, daemon=True).start()\n"
+        "threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "try:\n"
+        "    count_pretokens(sys.argv[1], num_threads=2)\n"
+        "    print('finished')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+        "sys.stdout.flush()\n"
+        "os._exit(0)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script, str(fifo)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.stdout.strip() == "interrupted", out.stderr
+
+
+def test_ctrl_c_in_progress_callback_stops_counting():
+    counter = _core.BpePretokenCounter(0, [], 0, 1, chunk_bytes=16)
+    calls = []
+
+    def progress(done):
+        calls.append(done)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        counter.add_documents(["hello world " * 1000], 0, progress)
+    assert len(calls) == 1
+
+
+def test_counter_refuses_use_after_a_failed_call(tmp_path):
+    counter = _core.BpePretokenCounter(0, [], 0, 2, chunk_bytes=16, block_bytes=64)
+    counter.add_documents(["hello world"])
+    # Documents are decoded before anything is counted: a bad one leaves the counter as it was.
+    with pytest.raises(ValueError, match="invalid UTF-8"):
+        counter.add_documents([b"ok", b"\xff"])
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"hello world " * 40 + b"\xff")
+    # A file fails part way, after its first blocks were counted.
+    with pytest.raises(ValueError, match="invalid UTF-8 at byte offset 480"):
+        counter.add_file(str(path))
+    for call in (counter.finish, counter.finish_arrays, lambda: counter.add_documents(["x"])):
+        with pytest.raises(RuntimeError, match="failed in an earlier call"):
+            call()
+    fresh = _core.BpePretokenCounter(0, [], 0, 2, chunk_bytes=16, block_bytes=64)
+    fresh.add_documents(["hello world"])
+    with pytest.raises(FileNotFoundError):  # fails before counting: the counter stays usable
+        fresh.add_file(str(tmp_path / "missing.txt"))
+    assert fresh.finish() == {b"hello": 1, b" world": 1}
+
+
+def test_counter_rejects_use_from_its_own_progress_callback():
+    counter = _core.BpePretokenCounter(0, [], 0, 1, chunk_bytes=16)
+    errors = []
+
+    def progress(done):
+        try:
+            counter.finish()
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    counter.add_documents(["hello world " * 1000], 0, progress)
+    assert errors and all("in use by another call" in error for error in errors)
+    assert counter.finish()[b" world"] == 1000
+
+
+def test_file_name_not_utf8(tmp_path):
+    raw_name = os.path.join(os.fsencode(tmp_path), b"caf\xe9.txt")
+    with open(raw_name, "wb") as handle:
+        handle.write(b"the cat the dog\n")
+    path = os.fsdecode(raw_name)  # a str with a surrogate escape
+    assert count_pretokens(path) == {b"the": 1, b" cat": 1, b" the": 1, b" dog": 1, b"\n": 1}
+    assert count_pretokens(Path(path), num_threads=2) == count_pretokens(path)

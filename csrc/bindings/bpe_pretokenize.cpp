@@ -1,7 +1,9 @@
 // Bindings for the BPE pre-tokenizer: str in / list[str] out, and a streaming pre-token counter
 // over files and in-memory documents returning dict[bytes, int].
+#include <atomic>
 #include <cerrno>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -121,13 +123,29 @@ Interrupt progress_interrupt(const py::object& progress, const std::atomic<int64
     if (!progress.is_none()) {
       try {
         progress(bytes_done.load(std::memory_order_relaxed));
-      } catch (py::error_already_set&) {
-        // progress display is best effort
+      } catch (py::error_already_set& error) {
+        // Progress display is best effort, but a Ctrl-C that lands in it still stops the count.
+        if (error.matches(PyExc_KeyboardInterrupt)) return true;
       }
     }
     return false;
   }, std::chrono::milliseconds(100));
 }
+
+// Every method of Counter releases the GIL; a second Python thread, or a progress callback, that
+// calls the same counter meanwhile gets a RuntimeError instead of racing on its tables.
+class InUse {
+ public:
+  explicit InUse(std::atomic<bool>& busy) : busy_(busy) {
+    if (busy_.exchange(true)) throw std::runtime_error("this BpePretokenCounter is in use by another call");
+  }
+  ~InUse() { busy_.store(false); }
+  InUse(const InUse&) = delete;
+  InUse& operator=(const InUse&) = delete;
+
+ private:
+  std::atomic<bool>& busy_;
+};
 
 class Counter {
  public:
@@ -144,6 +162,7 @@ class Counter {
   }
 
   void add_file(const std::string& path, const py::object& progress) {
+    const InUse in_use(busy_);
     std::atomic<int64_t> bytes_done{0};
     Interrupt interrupt = progress_interrupt(progress, bytes_done);
     {
@@ -154,6 +173,7 @@ class Counter {
   }
 
   void add_documents(const py::list& documents, int64_t first_index, const py::object& progress) {
+    const InUse in_use(busy_);
     const size_t num_docs = documents.size();
     std::vector<std::string_view> views(num_docs);
     std::vector<uint8_t> is_text(num_docs);
@@ -196,6 +216,7 @@ class Counter {
 
   // (bytes, offsets uint64[n + 1], counts int64[n]): pre-token k is bytes[offsets[k]:offsets[k + 1]].
   py::tuple finish_arrays() {
+    const InUse in_use(busy_);
     bpe::FlatPretokenCounts counts;
     {
       py::gil_scoped_release release;
@@ -206,12 +227,13 @@ class Counter {
   }
 
   py::dict finish() {
+    const InUse in_use(busy_);
     bpe::FlatPretokenCounts counts;
     {
       py::gil_scoped_release release;
       counts = counter_->finish_flat();
     }
-    // Presized, so the dict never rehashes while it fills.
+    // Presized: no rehash up to CPython's cap (2^17 slots, ~87K keys); past it the dict still grows a few times.
     const auto num_entries = static_cast<Py_ssize_t>(counts.counts.size());
     py::dict out = py::reinterpret_steal<py::dict>(_PyDict_NewPresized(num_entries));
     if (!out) throw py::error_already_set();
@@ -230,12 +252,14 @@ class Counter {
 
   // finish() without the dict: the table stays native for the BPE trainer (bpe_train.cpp).
   bpe::PretokenCounts finish_table() {
+    const InUse in_use(busy_);
     py::gil_scoped_release release;
     return counter_->finish();
   }
 
  private:
   std::unique_ptr<bpe::PretokenCounter> counter_;
+  std::atomic<bool> busy_{false};
 };
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <stdexcept>
 #include <ranges>
 #include <thread>
 #include <utility>
@@ -219,7 +220,7 @@ struct SpaceRun {
 //     its own match (" ?X+" when it is ' ', else `\s+` alone),
 // except for contractions: an apostrophe that starts a match (p-1 neither "other" nor ' ') and is
 // followed by s|d|m|t or ll|ve|re is a match of its own, which moves the next start past it.
-// The start at p depends on bytes p-3..p+1 only, so starts are final up to two bytes before the
+// The start at p depends on bytes p-4..p+1 only, so starts are final up to two bytes before the
 // first non-ASCII byte (or the window's end); from the last final start on, the next window
 // continues, and a pre-token that no window can finish goes to gpt2_next.
 
@@ -892,8 +893,7 @@ size_t TextDecoder::decode(const uint8_t* raw, size_t n, bool final, int64_t bas
     if (errors_ == Utf8Errors::kStrict) {
       throw DecodeError(name + ": invalid UTF-8 at byte offset " + std::to_string(base_offset + static_cast<int64_t>(i)) +
                             ": 'utf-8' codec can't decode byte " + byte_hex(raw[i]) + ": " + reason +
-                            " (pass errors='replace' or errors='ignore' to decode anyway)",
-                        base_offset + static_cast<int64_t>(i));
+                            " (pass errors='replace' or errors='ignore' to decode anyway)");
     }
     if (errors_ == Utf8Errors::kReplace) {
       out.append("\xEF\xBF\xBD");
@@ -977,6 +977,27 @@ struct PretokenCounter::Impl {
   SpecialTokenMatcher specials;
   std::vector<CountTable> tables;  // one per worker
   uint64_t num_items = 0;          // work items counted so far: numbers them in stream order
+  bool broken = false;             // a call failed part way: the tables may hold partial counts
+
+  // Marks the counter broken if the scope exits by an exception: it would otherwise go on from
+  // half-added counts, reused item numbers or half-merged tables.
+  class BreakOnThrow {
+   public:
+    explicit BreakOnThrow(Impl& impl) : impl_(impl) {
+      if (impl_.broken) {
+        throw std::logic_error("this pre-token counter failed in an earlier call and holds partial counts; use a new one");
+      }
+    }
+    ~BreakOnThrow() {
+      if (std::uncaught_exceptions() > num_uncaught_) impl_.broken = true;
+    }
+    BreakOnThrow(const BreakOnThrow&) = delete;
+    BreakOnThrow& operator=(const BreakOnThrow&) = delete;
+
+   private:
+    Impl& impl_;
+    int num_uncaught_ = std::uncaught_exceptions();
+  };
 
   explicit Impl(CountOptions opts) : options(std::move(opts)), specials(options.special_tokens) {
     TF_CHECK_ARG(options.num_threads >= 1, "num_threads", options.num_threads, "must be >= 1");
@@ -1083,11 +1104,12 @@ struct PretokenCounter::Impl {
   }
 
   // Cuts text[0:n) into chunks of about chunk_bytes at safe points before `limit`; returns the
-  // end of the last chunk cut (the rest is left for the caller).
-  size_t cut(const uint8_t* s, size_t n, size_t limit, std::vector<Chunk>& chunks) const {
+  // end of the last chunk cut (the rest is left for the caller). Points before `searched` are
+  // known not to be safe cuts (a caller rescanning a growing text would otherwise go quadratic).
+  size_t cut(const uint8_t* s, size_t n, size_t limit, std::vector<Chunk>& chunks, size_t searched = 0) const {
     size_t start = 0;
     while (start + options.chunk_bytes < limit) {
-      size_t p = start + options.chunk_bytes;
+      size_t p = std::max(start + options.chunk_bytes, searched);
       while (p < limit && !safe_split(s, p, n)) ++p;
       if (p >= limit) break;
       chunks.push_back({s + start, p - start});
@@ -1168,8 +1190,8 @@ struct PretokenCounter::Impl {
   }
 
   // Cuts all of text[0:n) into chunks, the rest after the last safe cut being the last chunk.
-  void cut_all(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) const {
-    const size_t done = cut(s, n, n, chunks);
+  void cut_all(const uint8_t* s, size_t n, std::vector<Chunk>& chunks, size_t searched = 0) const {
+    const size_t done = cut(s, n, n, chunks, searched);
     if (done < n) chunks.push_back({s + done, n - done});
   }
 
@@ -1214,6 +1236,7 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
   struct stat info {};
   if (::fstat(fd, &info) != 0) throw FileError(path, errno);
   if (S_ISDIR(info.st_mode)) throw FileError(path, EISDIR);
+  const Impl::BreakOnThrow guard(impl);
   // Lookahead a cut needs: text[p] and any special token that might straddle p.
   const size_t lookahead = std::max<size_t>(1, impl.specials.max_length());
 
@@ -1235,7 +1258,11 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
       size_t end = size;
       if (size - start > impl.options.block_bytes) {
         end = start + impl.options.block_bytes;
-        while (end < size && !impl.raw_safe_split(file, end, size)) ++end;
+        while (end < size && !impl.raw_safe_split(file, end, size)) {
+          // Text without a safe cut (one huge pre-token) is scanned to its end: Ctrl-C stays live.
+          ++end;
+          if (interrupt != nullptr && (end & 0xFFFFF) == 0) interrupt->check();
+        }
       }
       impl.count_raw_block(file + start, end - start, static_cast<int64_t>(start), path, buffer, interrupt,
                            bytes_done);
@@ -1254,8 +1281,10 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
   int64_t raw_offset = 0;                             // file offset of raw[0]
   std::string text;                                   // decoded, not yet counted
   TextDecoder decoder(impl.options.errors);
+  size_t searched = 0;  // text[0:searched) holds no safe cut that the next cut() would take
   bool eof = false;
   while (!eof) {
+    if (interrupt != nullptr) interrupt->check();  // passes that cut nothing count nothing
     while (raw_len < raw.size()) {
       const ssize_t got = ::read(fd, raw.data() + raw_len, raw.size() - raw_len);
       if (got < 0) {
@@ -1277,11 +1306,12 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
     std::vector<Impl::Chunk> chunks;
     size_t done;
     if (eof) {
-      impl.cut_all(s, text.size(), chunks);
+      impl.cut_all(s, text.size(), chunks, searched);
       done = text.size();
     } else {
       const size_t limit = text.size() > lookahead ? text.size() - lookahead : 0;
-      done = impl.cut(s, text.size(), limit, chunks);
+      done = impl.cut(s, text.size(), limit, chunks, searched);
+      searched = limit > done ? limit - done : 0;  // cut() tried every point up to limit
     }
     impl.count_chunks(chunks, interrupt, bytes_done);
     text.erase(0, done);
@@ -1321,6 +1351,7 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
     }
     impl.cut_document(s, n, chunks);
   }
+  const Impl::BreakOnThrow guard(impl);
   impl.count_chunks(chunks, interrupt, bytes_done);
 }
 
@@ -1594,6 +1625,7 @@ void write_in_order(const std::vector<CountTable*>& tables, const WriteRanges& r
 
 FlatPretokenCounts PretokenCounter::finish_flat() {
   Impl& impl = *impl_;
+  const Impl::BreakOnThrow guard(impl);
   std::vector<CountTable*> sources;
   for (CountTable& table : impl.tables) {
     if (table.size() > 0) sources.push_back(&table);
@@ -1624,13 +1656,6 @@ PretokenCounts PretokenCounter::finish() {
                             flat.offsets[k + 1] - flat.offsets[k]);
   }
   return out;
-}
-
-PretokenCounts count_pretokens(const std::vector<std::string>& paths, const CountOptions& options,
-                               Interrupt* interrupt) {
-  PretokenCounter counter(options);
-  for (const auto& path : paths) counter.add_file(path, interrupt);
-  return counter.finish();
 }
 
 }  // namespace trainfast::bpe

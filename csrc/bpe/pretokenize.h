@@ -63,15 +63,10 @@ struct Piece {
 std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
                                          const SpecialTokenMatcher& specials);
 
-// Invalid UTF-8 in strict mode: `offset` is the byte offset of the first bad byte in its input.
+// Invalid UTF-8 in strict mode; the message names the input and the first bad byte's offset.
 class DecodeError : public std::invalid_argument {
  public:
-  DecodeError(const std::string& message, int64_t offset)
-      : std::invalid_argument(message), offset_(offset) {}
-  int64_t offset() const { return offset_; }
-
- private:
-  int64_t offset_;
+  using std::invalid_argument::invalid_argument;
 };
 
 // A file could not be opened or read; `error_number` is errno.
@@ -88,8 +83,8 @@ class FileError : public std::runtime_error {
 };
 
 // Decodes UTF-8 like Python's text mode (errors = strict/replace/ignore, then universal newlines:
-// "\r\n" and "\r" become "\n"), incrementally: bytes of an unfinished character or a trailing
-// "\r" are kept until the next call or `final`.
+// "\r\n" and "\r" become "\n"), incrementally: the bytes of an unfinished character are kept until
+// the next call or `final`; a "\r" is written at once and a "\n" first in the next call dropped.
 class TextDecoder {
  public:
   explicit TextDecoder(Utf8Errors errors) : errors_(errors) {}
@@ -98,7 +93,6 @@ class TextDecoder {
   // raw[0], for error messages; `name` names the input. Throws DecodeError (strict mode).
   size_t decode(const uint8_t* raw, size_t n, bool final, int64_t base_offset,
                 const std::string& name, std::string& out);
-  void reset() { skip_lf_ = false; }
 
  private:
   Utf8Errors errors_;
@@ -127,7 +121,9 @@ struct CountOptions {
 };
 
 // Counts pre-tokens over any number of inputs; each input (file or document) is pre-tokenized on
-// its own. Results never depend on num_threads, block_bytes or chunk_bytes.
+// its own. Results never depend on num_threads, block_bytes or chunk_bytes. A call that throws
+// once it has begun counting (or merging) leaves the counter broken: later calls throw
+// std::logic_error. Not for concurrent use.
 class PretokenCounter {
  public:
   explicit PretokenCounter(CountOptions options);
@@ -135,7 +131,8 @@ class PretokenCounter {
   PretokenCounter(const PretokenCounter&) = delete;
   PretokenCounter& operator=(const PretokenCounter&) = delete;
 
-  // A file, decoded like Python text mode. `bytes_done` (optional) advances by raw bytes read.
+  // A file, decoded like Python text mode. `bytes_done` (optional) advances by the bytes of
+  // decoded text counted (the file size for clean UTF-8 without "\r").
   void add_file(const std::string& path, Interrupt* interrupt = nullptr,
                 std::atomic<int64_t>* bytes_done = nullptr);
   // Documents: `decoded` ones are UTF-8 text taken as is (no newline translation); the others are
@@ -152,9 +149,5 @@ class PretokenCounter {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-// One-call form over files.
-PretokenCounts count_pretokens(const std::vector<std::string>& paths, const CountOptions& options,
-                               Interrupt* interrupt = nullptr);
 
 }  // namespace trainfast::bpe

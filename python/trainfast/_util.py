@@ -33,13 +33,15 @@ class UpstreamAssertionError(ValueError, AssertionError):
     """Bad argument where upstream ``assert``s: catchable as either ValueError or AssertionError."""
 
 
-def check_int(value: Any, name: str, *, min_value: int | None = None) -> int:
+def check_int(value: Any, name: str, *, min_value: int | None = None, max_value: int | None = None) -> int:
     """Returns ``value`` as an int; TypeError unless it is an integer (bools excluded)."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
     value = operator.index(value)
     if min_value is not None and value < min_value:
         raise ValueError(f"{name} must be >= {min_value} (got {value})")
+    if max_value is not None and value > max_value:
+        raise ValueError(f"{name} must be <= {max_value} (got {value})")
     return value
 
 
@@ -49,20 +51,26 @@ def check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
     return value
 
 
+# Native code takes a C int and may start one thread (and a count table) per unit.
+MAX_NUM_THREADS = 4096
+
+
 def resolve_num_threads(num_threads: int | None) -> int:
     """``num_threads``, else $TRAINFAST_NUM_THREADS, else the cores this process may run on."""
     if num_threads is None:
         env = os.environ.get(NUM_THREADS_ENV)
         if env is not None:
             try:
-                return check_int(int(env), NUM_THREADS_ENV, min_value=1)
+                return check_int(int(env), NUM_THREADS_ENV, min_value=1, max_value=MAX_NUM_THREADS)
             except ValueError as error:
-                raise ValueError(f"${NUM_THREADS_ENV} must be a positive int (got {env!r})") from error
+                raise ValueError(
+                    f"${NUM_THREADS_ENV} must be an int in [1, {MAX_NUM_THREADS}] (got {env!r})"
+                ) from error
         try:
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not on Linux
             return max(1, os.cpu_count() or 1)
-    return check_int(num_threads, "num_threads", min_value=1)
+    return check_int(num_threads, "num_threads", min_value=1, max_value=MAX_NUM_THREADS)
 
 
 def as_array(

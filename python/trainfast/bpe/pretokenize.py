@@ -140,8 +140,8 @@ def pretokenize(text: str, *, pattern: Any = "gpt2", special_tokens: Sequence[st
     """Cuts ``text`` into pre-tokens exactly as ``regex.findall(PATTERNS[pattern], text)`` does.
 
     Special tokens are split off first (leftmost occurrence, longest token where several match
-    there); they appear whole in the output and are not pre-tokenized, so
-    ``"".join(pretokenize(text, ...)) == text`` always holds.
+    there); they appear whole in the output and are not pre-tokenized, so for the named patterns
+    ``"".join(pretokenize(text, ...)) == text`` always holds (a fallback pattern may skip text).
 
     Args:
         text: any str (lone surrogates allowed).
@@ -234,6 +234,9 @@ def count_pretokens(
             U+FFFD (``"replace"``) or is dropped (``"ignore"``), as Python's decoder does.
         show_progress: report bytes processed (tqdm on a terminal, else ``logging``).
 
+    Regular files are memory-mapped: one truncated by another process while it is being counted
+    ends this process with SIGBUS, as any memory-mapped read does.
+
     Returns:
         dict[bytes, int] with int64-range counts. (Private: ``_native_table=True`` returns a native
         ``_core.BpeWordTable`` instead for the named patterns, for ``train_bpe``.)
@@ -270,7 +273,8 @@ def count_pretokens(
 
             counter = _core.BpePretokenCounter(native_id, tokens, _ERRORS.index(errors), threads)
             for path in paths:
-                counter.add_file(path, progress.update_to if show_progress else None)
+                # Bytes, so a file name that is not valid UTF-8 (surrogate-escaped in str) opens too.
+                counter.add_file(os.fsencode(path), progress.update_to if show_progress else None)
                 progress.finish_input(os.path.getsize(path) if os.path.isfile(path) else 0)
             return counter.finish_table() if _native_table else counter.finish()
         finally:
