@@ -109,6 +109,12 @@ def test_mismatched_settings(parts):
         train_from_counts(a, 10, show_progress=False)
     with pytest.raises(OverflowError, match="exceeds 2\\^63-1"):
         _ = WordCounts({b"a": 2**62}) + WordCounts({b"a": 2**62})
+    total = WordCounts({b"aa": 1, b"zz": 2**63 - 1})
+    with pytest.raises(OverflowError, match="exceeds 2\\^63-1"):
+        total += WordCounts({b"aa": 5, b"zz": 1})
+    assert total.counts == {b"aa": 1, b"zz": 2**63 - 1}  # a failed += adds nothing
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] contains a lone surrogate"):
+        train_from_counts({b"ab": 3}, 300, ["\ud800"], show_progress=False)
 
 
 def test_bad_constructor_arguments():
@@ -192,6 +198,30 @@ def _dist_worker(rank: int, world_size: int, init_file: str, paths: list[str], o
             distributed.train_bpe(bad, 800, [EOT])
         except (ValueError, RuntimeError) as error:
             result["error"] = str(error)
+        # Training fails on src with an error other than ValueError/TypeError: every rank hears of it.
+        train = distributed.train_from_counts
+        if rank == 0:
+            def out_of_memory(*args, **kwargs):
+                raise MemoryError("no room for the merges")
+            distributed.train_from_counts = out_of_memory
+        try:
+            distributed.train_bpe(paths, 800, [EOT])
+        except RuntimeError as error:
+            result["train_error"] = str(error)
+        distributed.train_from_counts = train
+        # Counts from rank 1 that dst cannot add: dst still receives rank 2's, then reports rank 1.
+        from_bytes = distributed.WordCounts.from_bytes
+        if rank == 0:
+            def corrupt(blob, source="counts"):
+                if "rank 1" in source:
+                    raise ValueError(f"{source}: corrupt")
+                return from_bytes(blob, source=source)
+            distributed.WordCounts.from_bytes = corrupt
+        try:
+            result["merge"] = distributed.count_words(paths, [EOT])
+        except RuntimeError as error:
+            result["merge"] = str(error)
+        distributed.WordCounts.from_bytes = from_bytes
         dist.destroy_process_group()
     except BaseException:  # report to the test process
         result["crash"] = traceback.format_exc()
@@ -225,6 +255,9 @@ def test_distributed_equals_single_process(parts, tmp_path):
                                                                           show_progress=False).counts
     assert results[2]["sub"] is None
     assert all("UTF-8" in result.get("error", "") for result in results), [r.get("error") for r in results]
+    assert all("MemoryError: no room" in result.get("train_error", "") for result in results), results
+    assert results[0]["merge"] == "counting failed on rank 1: ValueError: counts from rank 1: corrupt"
+    assert results[1]["merge"] is None and results[2]["merge"] is None
 
 
 def test_shard_files_balances_bytes(parts):

@@ -434,3 +434,18 @@ def test_stream_cuts_all_patterns_match_oracle(small_by_pattern, monkeypatch_mod
     expected = ref.encode(text)
     assert tok.encode(text) == expected
     assert list(tok.encode_iterable(pieces)) == expected
+
+
+def test_encode_batch_survives_the_caller_emptying_its_list(gpt2):
+    # The native call holds its own references to the texts while the GIL is released.
+    import threading
+
+    texts = [f"text {k}: " + "hello world, " * 200_000 for k in range(8)]
+    expected = gpt2.encode(texts[0])
+    results = []
+    worker = threading.Thread(target=lambda: results.append(gpt2._native.encode_batch(texts, 1)))
+    worker.start()
+    threading.Event().wait(0.05)
+    texts.clear()
+    worker.join()
+    assert len(results[0]) == 8 and results[0][0] == expected

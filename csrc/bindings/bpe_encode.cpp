@@ -91,6 +91,9 @@ class Encoder {
     // Tables are indexed by id up to the largest: refuse a sparse vocab whose tables cannot fit.
     const auto id_span = span_1d(ids, "ids");
     const int64_t max_id = id_span.empty() ? -1 : *std::max_element(id_span.begin(), id_span.end());
+    if (max_id >= (int64_t{1} << 31)) {  // before max_id + 1 below, which could overflow
+      throw py::value_error("vocab id " + std::to_string(max_id) + " must be in [0, 2^31)");
+    }
     // Per id: token offset (8) and length (4) in the core, a list slot (8) and an int object (32) here.
     check_output_fits("Tokenizer: the tables indexed by token id up to the largest vocab id", max_id + 1, 52);
     encoder_ = std::make_unique<bpe::BpeEncoder>(
@@ -113,9 +116,11 @@ class Encoder {
   }
 
   py::list encode_batch(const py::list& texts, int num_threads) {
+    // Our own references: another thread may empty the caller's list while the GIL is released.
+    const py::tuple owned(texts);
     std::vector<std::string_view> views;
-    views.reserve(texts.size());
-    for (size_t k = 0; k < texts.size(); ++k) views.push_back(utf8_view(texts[k], "texts[" + std::to_string(k) + "]"));
+    views.reserve(owned.size());
+    for (size_t k = 0; k < owned.size(); ++k) views.push_back(utf8_view(owned[k], "texts[" + std::to_string(k) + "]"));
     std::vector<std::vector<uint32_t>> results;
     Interrupt interrupt = python_interrupt();
     {
@@ -136,9 +141,10 @@ class Encoder {
     const std::string_view utf8 = utf8_view(text, "text");
     const size_t cut = encoder_->safe_cut(utf8);
     std::vector<uint32_t> ids;
+    Interrupt interrupt = python_interrupt();
     {
       py::gil_scoped_release release;
-      encoder_->encode(utf8.substr(0, cut), ids);
+      encoder_->encode(utf8.substr(0, cut), ids, &interrupt);
     }
     size_t num_chars = cut;
     if (!PyUnicode_IS_ASCII(text.ptr())) {
@@ -150,13 +156,18 @@ class Encoder {
 
   // Ids of pre-tokens cut by the caller (custom patterns); each piece is merged on its own.
   py::list encode_pieces(const py::list& pieces) {
+    const py::tuple owned(pieces);  // as in encode_batch
     std::vector<std::string_view> views;
-    views.reserve(pieces.size());
-    for (size_t k = 0; k < pieces.size(); ++k) views.push_back(bytes_view(pieces[k], "pieces[" + std::to_string(k) + "]"));
+    views.reserve(owned.size());
+    for (size_t k = 0; k < owned.size(); ++k) views.push_back(bytes_view(owned[k], "pieces[" + std::to_string(k) + "]"));
     std::vector<uint32_t> ids;
+    Interrupt interrupt = python_interrupt();
     {
       py::gil_scoped_release release;
-      for (const auto& piece : views) encoder_->encode_piece(piece, ids);
+      for (size_t k = 0; k < views.size(); ++k) {
+        if (k % 1024 == 0) interrupt.check();
+        encoder_->encode_piece(views[k], ids);
+      }
     }
     return to_list(ids.data(), ids.size(), id_objects_);
   }

@@ -101,14 +101,16 @@ py::list train_from_dict(const py::dict& word_counts, int64_t num_merges, const 
   return merges_to_list(merges);
 }
 
-// Consumes the table: its words are freed as soon as the merge loop has copied them.
+// Consumes the table: taken over while the GIL is held (another thread may look at the Python
+// object), and its words are freed as soon as the merge loop has copied them.
 py::list train_from_table(bpe::PretokenCounts& table, int64_t num_merges, const py::object& progress) {
-  const std::vector<bpe::Merge> merges =
-      run_training(num_merges, progress, [&table](const bpe::TrainOptions& options) {
-        return bpe::train_merges(table.pretokens, table.counts, options,
-                                 [&table] { table = bpe::PretokenCounts(); });
-      });
+  bpe::PretokenCounts words = std::move(table);
   table = bpe::PretokenCounts();
+  const std::vector<bpe::Merge> merges =
+      run_training(num_merges, progress, [&words](const bpe::TrainOptions& options) {
+        return bpe::train_merges(words.pretokens, words.counts, options,
+                                 [&words] { words = bpe::PretokenCounts(); });
+      });
   return merges_to_list(merges);
 }
 

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <queue>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "bpe/unicode_tables.h"
@@ -303,6 +305,10 @@ void BpeEncoder::merge_small(const uint8_t* s, size_t n, std::vector<uint32_t>& 
 }
 
 void BpeEncoder::merge_large(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws) const {
+  // Nodes link by 32-bit positions (half the memory of 64-bit ones for the common large piece).
+  if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    throw std::length_error("a pre-token of " + std::to_string(n) + " bytes is too long to encode (at most 2^31 - 1)");
+  }
   auto& nodes = ws.nodes;
   nodes.resize(n);
   for (size_t i = 0; i < n; ++i) {

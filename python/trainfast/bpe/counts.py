@@ -222,11 +222,13 @@ class WordCounts:
 
 
 def _add_into(out: dict[bytes, int], other: dict[bytes, int]) -> None:
+    get = out.get
+    # Every sum is checked before any is written, so a failed `+=` leaves the counts as they were.
     for word, count in other.items():
-        total = out.get(word, 0) + count
-        if total > _MAX_COUNT:
+        if get(word, 0) + count > _MAX_COUNT:
             raise OverflowError(f"count of {word!r} exceeds 2^63-1 after adding")
-        out[word] = total
+    for word, count in other.items():
+        out[word] = get(word, 0) + count
 
 
 def count_words(

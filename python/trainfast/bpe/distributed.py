@@ -122,7 +122,10 @@ def count_words(
         if size < 0:
             failures.append(f"rank {src}: {buffer.decode('utf-8', 'replace')}")
         elif total is not None:
-            total += WordCounts.from_bytes(buffer, source=f"counts from rank {src}")
+            try:
+                total += WordCounts.from_bytes(buffer, source=f"counts from rank {src}")
+            except Exception as caught:  # keep receiving: later ranks are blocked sending to us
+                failures.append(f"rank {src}: {type(caught).__name__}: {caught}")
     if error is not None:
         raise error
     if failures:
@@ -157,6 +160,7 @@ def train_bpe(
     except Exception as caught:  # keep the broadcast below in step on every rank
         counts, local_error = None, caught
     result: list[Any] = [None]
+    interrupted = None
     if dist.get_rank(group) == src:
         if local_error is not None:
             result[0] = ("error", f"{type(local_error).__name__}: {local_error}")
@@ -164,12 +168,16 @@ def train_bpe(
             try:
                 result[0] = ("ok", train_from_counts(counts, vocab_size, list(special_tokens),
                                                      show_progress=show_progress))
-            except (ValueError, TypeError) as caught:
+            except BaseException as caught:  # every other rank is waiting in the broadcast below
                 result[0] = ("error", f"{type(caught).__name__}: {caught}")
+                if not isinstance(caught, Exception):  # Ctrl-C: re-raised as itself after the broadcast
+                    interrupted = caught
     src_global = src if group is None else dist.get_global_rank(group, src)
     dist.broadcast_object_list(result, src=src_global, group=group)
     if local_error is not None:
         raise local_error
+    if interrupted is not None:
+        raise interrupted
     status, value = result[0]
     if status == "error":
         raise RuntimeError(f"BPE training failed on rank {src}: {value}")

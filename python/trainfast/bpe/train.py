@@ -126,11 +126,17 @@ def _check_special_tokens(special_tokens: Any) -> list[str]:
     if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
         raise TypeError(f"special_tokens must be a list of str (got {type(special_tokens).__name__})")
     tokens = list(special_tokens)
-    for token in tokens:
+    for idx, token in enumerate(tokens):
         if not isinstance(token, str):
             raise TypeError(f"special_tokens must contain only str (got {type(token).__name__} {token!r})")
         if not token:
             raise ValueError("special_tokens must not contain an empty string")
+        try:
+            token.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"special_tokens[{idx}] contains a lone surrogate, which has no UTF-8 encoding"
+            ) from None
     duplicates = sorted({t for t, n in Counter(tokens).items() if n > 1})
     if duplicates:
         raise ValueError(f"special_tokens must be unique (got duplicates {duplicates!r})")
