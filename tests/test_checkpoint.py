@@ -69,6 +69,9 @@ def test_five_equal_tensors_into_three_bins():
 def test_one_bin_returns_the_input_list(issue_items):
     got = checkpoint.split_by_size_and_type(1, issue_items)
     assert len(got) == 1 and got[0] is issue_items
+    # Upstream returns before reading any item, so one it could not size is fine too.
+    odd = [object(), "not an item"]
+    assert checkpoint.split_by_size_and_type(1, odd)[0] is odd
 
 
 def test_returns_the_same_objects(issue_items):
@@ -224,6 +227,9 @@ def test_accepts_tensors_arrays_and_strided_inputs():
         assert a.dtype == torch.int64 and torch.equal(a, b)
     np_got = checkpoint.assign_bins(np.zeros(10, np.uint8), np.arange(0, 20, 2), 3)
     assert torch.equal(np_got.order, expected.order)
+    # Integer flags mean "nonzero": 256 is True, not its low byte.
+    flagged = checkpoint.assign_bins([256, 0], [5, 7], 2)
+    assert all(torch.equal(a, b) for a, b in zip(flagged, checkpoint.assign_bins([1, 0], [5, 7], 2)))
 
 
 # --- bad input ------------------------------------------------------------------------------------------

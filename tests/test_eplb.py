@@ -573,3 +573,22 @@ def test_cli_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, cap
     assert code == 2
     assert "--plot needs matplotlib" in caplog.text and "pip install" in caplog.text
     assert not png.exists() and not saved.exists()  # failed before doing any work
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_strided_weight_matches_upstream(seed):
+    # Every group holds the same loads in another order, so the group sums differ only by
+    # rounding, and torch adds a strided row in another order than a contiguous one.
+    generator = torch.Generator().manual_seed(seed)
+    num_groups, group_size = 8, 64
+    base = torch.rand(group_size, generator=generator) * 1000
+    rows = [torch.cat([base[torch.randperm(group_size, generator=generator)] for _ in range(num_groups)])
+            for _ in range(2)]
+    strided = torch.stack(rows).t().contiguous().t()
+    assert not strided.is_contiguous()
+    args = (strided, num_groups * group_size * 2, num_groups, 2, 8)
+    assert_same(eplb.rebalance_experts(*args), ref.rebalance_experts(*args))
+    assert_same(eplb.rebalance_experts_hierarchical(*args), ref.rebalance_experts_hierarchical(*args))
+    as_int = (strided * 1000).to(torch.int64)  # sums past 2^24: float32 rounds, so torch's order shows
+    args = (as_int, num_groups * group_size * 2, num_groups, 2, 8)
+    assert_same(eplb.rebalance_experts(*args), ref.rebalance_experts(*args))

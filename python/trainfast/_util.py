@@ -111,7 +111,8 @@ def as_array(
     if value.dtype != target:
         if kind == "int" and value.dtype.kind == "u" and value.size and value.max() > np.iinfo(target).max:
             raise ValueError(f"{name} has values that do not fit in {target} (max {value.max()})")
-        value = value.astype(target)
+        # A flag is "nonzero", not its low byte (256 must not become False).
+        value = (value != 0).astype(target) if kind == "bool" else value.astype(target)
     return np.ascontiguousarray(value)
 
 

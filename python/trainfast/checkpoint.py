@@ -107,11 +107,12 @@ def split_by_size_and_type(
     check_choice(sizing, "sizing", _SIZINGS)
     check_choice(balance, "balance", _BALANCES)
     threads = resolve_num_threads(num_threads)
+    if bins == 1:  # upstream returns before it looks at any item
+        return [items]
     item_list = _check_items(items)
-    binned = _core.checkpoint_split_write_items(
+    return _core.checkpoint_split_write_items(
         item_list, bins, _byte_io_type(), _element_sizes(), sizing == "global", balance == "refined", threads
     )
-    return [items] if bins == 1 else binned
 
 
 def write_item_sizes(

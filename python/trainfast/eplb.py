@@ -106,10 +106,22 @@ def _float32_loads(weight: torch.Tensor, num_groups: int) -> tuple[np.ndarray, n
     """(upstream's ``weight.float().cpu()`` as a float32 array, the `[num_layers, num_groups]` group
     loads or None). Integer CPU loads convert natively (same IEEE rounding, faster than torch) and
     come with their group sums when float32 adds them exactly in any order, so that they equal
-    torch's; otherwise (None) the caller takes the sums from torch."""
+    torch's; otherwise (None) the caller takes the sums from torch. A strided weight's sums are
+    taken here, from torch on upstream's strided tensor: torch adds a strided row in another order."""
     if weight.dtype in _NATIVE_INT_DTYPES and weight.device.type == "cpu":
-        return _core.eplb_int_loads(weight.contiguous().numpy(), num_groups)
-    return _float32_cpu(weight).numpy(), None
+        values, loads = _core.eplb_int_loads(weight.contiguous().numpy(), num_groups)
+        if loads is None and num_groups > 1 and not weight.is_contiguous():
+            loads = _group_sums(weight.float(), num_groups)
+        return values, loads
+    upstream = weight.float().cpu()
+    loads = _group_sums(upstream, num_groups) if num_groups > 1 and not upstream.is_contiguous() else None
+    return upstream.contiguous().numpy(), loads
+
+
+def _group_sums(upstream: torch.Tensor, num_groups: int) -> np.ndarray:
+    """Upstream's ``weight.unflatten(-1, (num_groups, group_size)).sum(-1)``, float32 `[num_layers, num_groups]`."""
+    grouped = upstream.unflatten(-1, (num_groups, upstream.shape[-1] // num_groups))
+    return grouped.sum(-1).contiguous().numpy()
 
 
 def _check_hierarchical(num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int,
@@ -148,12 +160,10 @@ def _run(weight: np.ndarray, group_loads: np.ndarray | None, num_physical: int, 
     """Both stages on float32 CPU ``weight`` (group_loads: torch's group sums, or None to take them from
     torch here); returns numpy (phy2log, log2phy, logcnt, phyrank)."""
     threads = resolve_num_threads(num_threads)
-    num_layers, num_logical = weight.shape
     group_order = _EMPTY_I64
     if tie_break == "torch" and num_groups // num_nodes > 1:
-        if group_loads is None:  # upstream's weight.unflatten(-1, (num_groups, group_size)).sum(-1)
-            grouped = torch.from_numpy(weight).view(num_layers, num_groups, num_logical // num_groups)
-            group_loads = grouped.sum(-1).numpy()
+        if group_loads is None:
+            group_loads = _group_sums(torch.from_numpy(weight), num_groups)
         group_order = _descending_order_f32(group_loads)
     else:
         group_loads = _EMPTY_F32
@@ -257,8 +267,9 @@ def rebalance_experts_hierarchical(
     check_choice(tie_break, "tie_break", _TIE_BREAKS)
     _check_hierarchical(tensor.shape[1], num_physical_experts, num_groups, num_nodes, num_gpus,
                         "num_physical_experts")
+    sum_groups = num_groups if tie_break == "torch" and num_groups // num_nodes > 1 else 0
     phy2log, _, logcnt, phyrank = _run(
-        _float32_cpu(tensor).numpy(), None, num_physical_experts, num_groups, num_nodes, num_gpus,
+        *_float32_loads(tensor, sum_groups), num_physical_experts, num_groups, num_nodes, num_gpus,
         tie_break=tie_break, refine=False, avoid_gpu_duplicates=False, num_threads=num_threads)
     return torch.from_numpy(phy2log), torch.from_numpy(phyrank), torch.from_numpy(logcnt)
 
