@@ -397,6 +397,8 @@ def test_negative_integer_loads_name_layer_and_expert(dtype):
 def test_bad_types():
     with pytest.raises(TypeError, match="num_replicas"):
         eplb.rebalance_experts(torch.ones(2, 12), 16.0, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"num_replicas must be < 2\^62"):
+        eplb.rebalance_experts(torch.ones(2, 12), 2**70, 4, 2, 8)
     with pytest.raises(TypeError, match="weight"):
         eplb.rebalance_experts("weights", 16, 4, 2, 8)
     with pytest.raises(ValueError, match="tie_break"):
@@ -592,3 +594,12 @@ def test_strided_weight_matches_upstream(seed):
     as_int = (strided * 1000).to(torch.int64)  # sums past 2^24: float32 rounds, so torch's order shows
     args = (as_int, num_groups * group_size * 2, num_groups, 2, 8)
     assert_same(eplb.rebalance_experts(*args), ref.rebalance_experts(*args))
+
+
+def test_log2phy_too_large_is_refused():
+    # One hot expert takes every spare slot, so log2phy is [1, 2^18, 2^18 + 1]: 512 GiB, refused
+    # up front (phy2log itself is small).
+    weight = torch.zeros(1, 2**18)
+    weight[0, 0] = 1
+    with pytest.raises(ValueError, match="log2phy .* would need"):
+        eplb.rebalance_experts(weight, 2**19, 1, 1, 1)

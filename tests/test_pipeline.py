@@ -544,6 +544,14 @@ def test_balanced_layout_torch_input():
         (lambda: tp.to_layout_str({(0, 0): range(0, 2), (1, 0): range(3, 4)}, 2, 1), ValueError,
          r"layers 2-2 would be lost"),
         (lambda: tp.to_layout_str({(0, 0): range(0, 2)}, 2, 1), ValueError, r"missing \[\(1, 0\)\]"),
+        (lambda: tp.to_layout_str({(0, 0): range(0, 1), (1, 0): range(1, 2**63)}, 2), ValueError,
+         "more than 16777216 layers"),
+        # INT64_MIN is the native core's None: refused, not taken for an unset stage.
+        (lambda: tp.plan_layers(8, 2, num_layers_in_first_pipeline_stage=-2**63), ValueError,
+         r"num_layers_in_first_pipeline_stage must be in \(-2\^60, 2\^60\)"),
+        (lambda: tp.get_num_layers_to_build(SimpleNamespace(num_layers=8, pipeline_model_parallel_size=2,
+                                                             virtual_pipeline_model_parallel_size=2),
+                                            vp_stage=-2**63, pp_rank=0), ValueError, "vp_stage must be in"),
     ],
 )
 def test_bad_input(call, error, match):

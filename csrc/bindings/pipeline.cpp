@@ -16,12 +16,27 @@ namespace {
 
 namespace pl = trainfast::pipeline;
 
-int64_t or_none(const std::optional<int64_t>& value) { return value ? *value : pl::kNone; }
+// No real layer count or rank comes near 2^60. Refusing larger ones keeps the core's None (INT64_MIN)
+// apart from every value, and its sums and differences of a few of them from overflowing.
+int64_t bounded(int64_t value, const char* name) {
+  constexpr int64_t kLimit = int64_t{1} << 60;
+  if (value <= -kLimit || value >= kLimit) {
+    throw py::value_error(std::string(name) + " must be in (-2^60, 2^60) (got " + std::to_string(value) + ")");
+  }
+  return value;
+}
+
+int64_t or_none(const std::optional<int64_t>& value, const char* name) {
+  return value ? bounded(*value, name) : pl::kNone;
+}
 
 pl::MegatronSpec make_spec(int64_t num_layers, int64_t pp, std::optional<int64_t> vpp,
                            std::optional<int64_t> first, std::optional<int64_t> last, bool account_for_embedding,
                            bool account_for_loss) {
-  return pl::MegatronSpec{num_layers, pp, or_none(vpp), or_none(first), or_none(last), account_for_embedding,
+  return pl::MegatronSpec{bounded(num_layers, "num_layers"), bounded(pp, "pipeline_model_parallel_size"),
+                          or_none(vpp, "virtual_pipeline_model_parallel_size"),
+                          or_none(first, "num_layers_in_first_pipeline_stage"),
+                          or_none(last, "num_layers_in_last_pipeline_stage"), account_for_embedding,
                           account_for_loss};
 }
 
@@ -38,7 +53,8 @@ py::tuple megatron_rank(int64_t num_layers, int64_t pp, std::optional<int64_t> v
                         std::optional<int64_t> last, bool account_for_embedding, bool account_for_loss,
                         int64_t pp_rank, std::optional<int64_t> vp_stage) {
   const auto values = pl::megatron_rank(
-      make_spec(num_layers, pp, vpp, first, last, account_for_embedding, account_for_loss), pp_rank, or_none(vp_stage));
+      make_spec(num_layers, pp, vpp, first, last, account_for_embedding, account_for_loss), bounded(pp_rank, "pp_rank"),
+      or_none(vp_stage, "vp_stage"));
   py::object offset = values.offset == pl::kNone ? py::object(py::none()) : py::object(py::int_(values.offset));
   return py::make_tuple(values.num_layers_to_build, offset);
 }
@@ -86,8 +102,8 @@ void register_pipeline(py::module_& m) {
         }, py::arg("layout"), py::arg("pp"), "Expanded stages of a Megatron layout string.");
   m.def("pipeline_validate_layout", [](std::vector<std::string> stages, int64_t pp, std::optional<int64_t> num_layers,
                                        std::optional<int64_t> mtp_num_layers, bool check_mtp_count) {
-          return pl::validate_layout(pl::make_layout(std::move(stages), pp), or_none(num_layers),
-                                     or_none(mtp_num_layers), check_mtp_count);
+          return pl::validate_layout(pl::make_layout(std::move(stages), pp), or_none(num_layers, "num_layers"),
+                                     or_none(mtp_num_layers, "mtp_num_layers"), check_mtp_count);
         }, py::arg("stages"), py::arg("pp"), py::arg("num_layers"), py::arg("mtp_num_layers"),
         py::arg("check_mtp_count"), "Megatron's validate_layer_layout; returns mtp_standalone.");
   m.def("pipeline_layout_counts", &layout_counts, py::arg("stages"), py::arg("pp"), py::arg("layer_char"),

@@ -6,6 +6,7 @@
 #include <limits>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -549,7 +550,8 @@ void check_shape(const Shape& s) {
                    checked_mul(s.num_layers, s.num_logical).has_value(),
                "weight", s.num_layers, "is too large");
   TF_CHECK_ARG(s.num_physical < (int64_t{1} << 31), "num_replicas", s.num_physical, "must be < 2^31");
-  // phy2log, log2phy (at least as wide) and the working copies: about 6 int64 per physical slot.
+  // phy2log and the working copies: about 6 int64 per physical slot (log2phy, whose width is
+  // known only after replication, is checked where it is sized).
   check_output_fits("rebalance_experts: the placement of num_layers x num_replicas slots",
                     s.num_layers * s.num_physical, 6 * sizeof(int64_t));
 }
@@ -781,7 +783,12 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
   // rows while that layer's slots are still in cache.
   out.max_count = *std::max_element(rep.mlog_count.begin(), rep.mlog_count.end());
   const int64_t width = out.max_count;
-  out.log2phy.resize(L * E * width);
+  // Up to num_replicas - num_logical + 1 wide: a hot expert can make it far larger than phy2log.
+  const std::optional<int64_t> log2phy_size = checked_mul(L * E, width);
+  TF_CHECK_ARG(log2phy_size.has_value(), "num_replicas", P, "makes log2phy too large");
+  check_output_fits("rebalance_experts: log2phy (num_layers x num_logical x the largest replica count)",
+                    *log2phy_size, sizeof(int64_t));
+  out.log2phy.resize(*log2phy_size);
 
   // Rows (layer, node) are packed kBatch at a time, interleaved (see pack_rows_float).
   constexpr int kBatch = 4;

@@ -310,10 +310,10 @@ std::string plan_to_layout_string(std::span<const int64_t> counts, int64_t pp, i
   int64_t total = 0;
   for (size_t c = 0; c < counts.size(); ++c) {
     if (counts[c] < 0) throw std::invalid_argument("chunk " + std::to_string(c) + " has a negative layer count");
-    total += counts[c];
-    if (total > kMaxLayoutChars) {
+    if (counts[c] > kMaxLayoutChars - total) {  // before adding, so a huge count cannot wrap
       throw std::invalid_argument("the plan has more than " + std::to_string(kMaxLayoutChars) + " layers");
     }
+    total += counts[c];
   }
   Layout layout;
   layout.pp = pp;

@@ -64,6 +64,8 @@ def _count(value: Any, name: str) -> int:
     value = value.__index__()
     if value <= 0:
         raise UpstreamAssertionError(f"{name} must be positive (got {value})")
+    if value >= 2**62:  # the native core takes int64; no real count comes near
+        raise ValueError(f"{name} must be < 2^62 (got {value})")
     return value
 
 
