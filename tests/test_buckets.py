@@ -3,6 +3,7 @@ points with and without trainfast's patch, bad input."""
 
 from __future__ import annotations
 
+import math
 import random
 import types
 import warnings
@@ -784,3 +785,14 @@ def test_full_layout_sizes_params_as_upstream_does():
     assert list(per_buffer.param_index_map.items()) == list(layout.param_index_map.items())
     default = buckets.compute_default_per_buffer_param_layout(params, None)
     assert [default.param_index_map[p] for p in params] == [(37, 137, 0), (7, 37, 0), (0, 7, 0)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_padding_past_2_pow_53_rounds_like_python(seed):
+    # Upstream's _pad divides in floats: past 2^53 the padded end is not the exact integer ceiling.
+    rng = random.Random(seed)
+    for _ in range(300):
+        numel = rng.randrange(2**53, 2**61) if rng.random() < 0.8 else 2**53 + rng.randrange(1, 4096)
+        dp = rng.choice([1, 3, 7, 64, 1000, 2**40 + 1])
+        layout = buckets.plan_layout([numel], data_parallel_world_size=dp)
+        assert int(layout.bucket_indices[0][1]) == ref.pad(numel, math.lcm(dp, 128)), (numel, dp)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -40,15 +41,35 @@ int64_t lcm_checked(int64_t a, int64_t b) {
 }  // namespace
 
 
-int64_t pad_to_divisor(int64_t value, int64_t divisor) {
-  int64_t quotient;
-  if (value <= kTwoPow53 && divisor <= kTwoPow53) {
-    // Upstream computes int(math.ceil(value / divisor) * divisor) with a correctly rounded float.
-    quotient = static_cast<int64_t>(std::ceil(static_cast<double>(value) / static_cast<double>(divisor)));
-  } else {
-    quotient = value / divisor + (value % divisor != 0 ? 1 : 0);
+// value / divisor (value >= 0, divisor >= 1) rounded to the nearest double, ties to even: Python's
+// int / int, which rounds the exact quotient once.
+double divide_as_python(int64_t value, int64_t divisor) {
+  if (value == 0 || (value <= kTwoPow53 && divisor <= kTwoPow53)) {
+    return static_cast<double>(value) / static_cast<double>(divisor);  // exact operands: one rounding
   }
-  const auto padded = checked_mul(quotient, divisor);
+  // The quotient scaled by 2^shift has at least 64 significant bits; round those to 53 by hand, a
+  // nonzero remainder breaking what would otherwise be a tie.
+  __extension__ typedef unsigned __int128 u128;
+  const int shift = 127 - static_cast<int>(std::bit_width(static_cast<uint64_t>(value)));
+  const u128 scaled = static_cast<u128>(value) << shift;
+  const u128 quotient = scaled / static_cast<u128>(divisor);
+  const bool inexact = scaled % static_cast<u128>(divisor) != 0;
+  const int num_bits = 128 - (static_cast<uint64_t>(quotient >> 64) != 0
+                                  ? std::countl_zero(static_cast<uint64_t>(quotient >> 64))
+                                  : 64 + std::countl_zero(static_cast<uint64_t>(quotient)));
+  const int drop = num_bits - 53;
+  uint64_t mantissa = static_cast<uint64_t>(quotient >> drop);
+  const u128 rest = quotient & ((u128{1} << drop) - 1);
+  const u128 half = u128{1} << (drop - 1);
+  if (rest > half || (rest == half && (inexact || (mantissa & 1) != 0))) ++mantissa;
+  return std::ldexp(static_cast<double>(mantissa), drop - shift);
+}
+
+int64_t pad_to_divisor(int64_t value, int64_t divisor) {
+  // Upstream computes int(math.ceil(value / divisor) * divisor): a float quotient, then exact ints.
+  const double quotient = std::ceil(divide_as_python(value, divisor));
+  TF_CHECK_ARG(quotient < 0x1p63, "numels", value, "sum too large: padded buffer overflows int64");
+  const auto padded = checked_mul(static_cast<int64_t>(quotient), divisor);
   TF_CHECK_ARG(padded.has_value(), "numels", value, "sum too large: padded buffer overflows int64");
   return *padded;
 }

@@ -36,8 +36,8 @@ struct Layout {
 Layout plan_layout(std::span<const int64_t> numels, std::span<const uint8_t> shared_embedding,
                    const LayoutOptions& options);
 
-// Megatron's `_pad`: ceil(value / divisor) * divisor, computed as Python's float division does
-// (identical to exact integer rounding below 2**53; exact above).
+// Megatron's `_pad`: ceil(value / divisor) * divisor with the quotient rounded to a float as
+// Python's division rounds it (equal to exact integer rounding below 2**53, not always above).
 int64_t pad_to_divisor(int64_t value, int64_t divisor);
 
 // lcm(dp, 128) or lcm(dp, 128, 2**16): the bucket-end divisor of the distributed optimizer.

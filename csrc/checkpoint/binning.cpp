@@ -282,11 +282,6 @@ SortedItems sort_tensor_items(std::span<const uint8_t> is_bytes, std::span<const
 
 }  // namespace
 
-std::vector<int64_t> tensor_order_by_size_desc(std::span<const uint8_t> is_bytes,
-                                               std::span<const int64_t> sizes, Interrupt* interrupt) {
-  return sort_tensor_items(is_bytes, sizes, interrupt).idx;
-}
-
 BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes,
                     int64_t num_bins, Balance balance, Interrupt* interrupt) {
   TF_CHECK_ARG(num_bins > 0, "bins", num_bins, "must be a positive integer");

@@ -28,8 +28,4 @@ struct BinPlan {
 BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> sizes,
                     int64_t num_bins, Balance balance = Balance::kUpstream, Interrupt* interrupt = nullptr);
 
-// Indices of the tensor items (is_bytes == 0), stably sorted by size, largest first.
-std::vector<int64_t> tensor_order_by_size_desc(std::span<const uint8_t> is_bytes,
-                                               std::span<const int64_t> sizes, Interrupt* interrupt = nullptr);
-
 }  // namespace trainfast::checkpoint

@@ -89,8 +89,8 @@ struct Placement {
 Placement place(const Replication& replication, std::span<const int64_t> replica_order,
                 const PlaceOptions& options, int num_threads, Interrupt* interrupt = nullptr);
 
-// Upstream's helpers on [rows, n] arrays. `order` holds each row's descending order (required when
-// n / num_packs > 1). Pack loads accumulate in Value's type (int64 wraps like torch).
+// Upstream's helpers on [rows, n] arrays. `order` holds each row's descending order (always
+// required). Pack loads accumulate in Value's type (int64 wraps like torch).
 template <typename Value>
 void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t num_items,
                       std::span<const int64_t> order, int64_t num_packs, std::span<int64_t> pack_index,

@@ -122,12 +122,6 @@ bool chain_moves(const Problem& problem, double limit, int64_t pp, std::vector<i
 
 }  // namespace
 
-double chunk_cost(std::span<const double> layer_costs, int64_t begin, int64_t end, double embedding_cost,
-                  double loss_cost) {
-  const Problem problem{layer_costs, static_cast<int64_t>(layer_costs.size()), embedding_cost, loss_cost};
-  return problem.cost(begin, end);
-}
-
 BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, int64_t vpp,
                              double embedding_cost, double loss_cost, Interrupt* interrupt) {
   auto poll = [interrupt] {

@@ -26,8 +26,4 @@ struct BalancedSplit {
 BalancedSplit balanced_split(std::span<const double> layer_costs, int64_t pp, int64_t vpp,
                              double embedding_cost, double loss_cost, Interrupt* interrupt = nullptr);
 
-// The chunk cost defined above for layers [begin, end) of n.
-double chunk_cost(std::span<const double> layer_costs, int64_t begin, int64_t end, double embedding_cost,
-                  double loss_cost);
-
 }  // namespace trainfast::pipeline

@@ -417,8 +417,10 @@ def _match_gpus(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, gp
     old_has = np.zeros((num_gpus, num_logical + 1), dtype=np.float64)
     rows = np.repeat(np.arange(num_gpus), new_gpus.shape[1])
     new_has[rows, new_gpus.ravel()] = 1.0
-    old_has[rows, np.clip(old_gpus.ravel(), 0, num_logical)] = 1.0
-    old_has[:, num_logical] = 0.0  # ids outside [0, num_logical) match nothing
+    old_ids = old_gpus.ravel()
+    # Ids outside [0, num_logical) (e.g. -1 for an empty slot) go to the spare column, which matches nothing.
+    old_has[rows, np.where((old_ids >= 0) & (old_ids < num_logical), old_ids, num_logical)] = 1.0
+    old_has[:, num_logical] = 0.0
     overlap = new_has @ old_has.T
     node = np.arange(num_gpus) // gpus_per_node
     overlap[node[:, None] != node[None, :]] = -1.0  # never across nodes

@@ -134,8 +134,9 @@ class PipelineLayout:
 
         With ``validate`` (default) it also checks what Megatron's ``validate_layer_layout`` checks
         without knowing the model: E first and once, L last and once, decoders before MTP, MTP only
-        in a rank's last virtual stage and all in one stage; given ``num_layers`` /
-        ``mtp_num_layers``, the decoder and MTP counts too. Raises ValueError saying what is wrong.
+        in a rank's last virtual stage and all in one stage; given ``num_layers``, the decoder count
+        too, and with it ``mtp_num_layers`` the MTP count (``mtp_num_layers`` alone is not checked).
+        Raises ValueError saying what is wrong.
         """
         if not isinstance(layout, str):
             raise TypeError(f"layout must be a str (got {type(layout).__name__})")
