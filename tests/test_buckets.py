@@ -23,7 +23,7 @@ with warnings.catch_warnings():
     megatron_pgb = pytest.importorskip("megatron.core.distributed.param_and_grad_buffer")
     pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
 
-from trainfast import buckets
+from trainfast import _core, buckets
 from trainfast._util import UpstreamAssertionError
 
 DPS = [1, 2, 3, 8, 64, 1000]
@@ -796,3 +796,30 @@ def test_padding_past_2_pow_53_rounds_like_python(seed):
         dp = rng.choice([1, 3, 7, 64, 1000, 2**40 + 1])
         layout = buckets.plan_layout([numel], data_parallel_world_size=dp)
         assert int(layout.bucket_indices[0][1]) == ref.pad(numel, math.lcm(dp, 128)), (numel, dp)
+
+
+def test_python_code_that_changes_the_inputs_cannot_crash():
+    # __hash__, __index__ or range_type may run Python code that empties the caller's containers.
+    params = []
+
+    class ClearingParam(torch.nn.Parameter):
+        def __hash__(self):
+            params.clear()
+            return id(self)
+
+    originals = [ClearingParam(torch.zeros(n)) for n in (3, 5, 7)]
+    params.extend(originals)
+    layout = buckets.compute_default_per_buffer_param_layout(params, None)
+    assert set(map(id, layout.param_index_map)) == set(map(id, originals))  # upstream iterates a copy too
+
+    index_map = {f"p{k}": (10 * k, 10 * k + 10, 0) for k in range(6)}
+
+    def clearing_range(start, end):
+        index_map.clear()
+        return (start, end)
+
+    with pytest.raises(RuntimeError, match="dictionary changed size during iteration"):
+        _core.buckets_param_range_map(index_map, 0, 100, 0, clearing_range)
+    world = buckets._range_type()(0, 128)
+    with pytest.raises(ValueError, match=r"starts must be in \(-2\^62, 2\^62\)"):
+        buckets.build_model_gbuf_param_range_map({"p": (-2**63, 5, 0)}, world, 0)

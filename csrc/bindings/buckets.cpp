@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -82,6 +83,11 @@ py::tuple partition(const CArray<uint8_t>& is_uint8, const CArray<int64_t>& num_
                         to_numpy(std::move(groups.members), {members, 2}));
 }
 
+// Buffer offsets stay far below 2^62 (a real buffer holds fewer elements); refusing larger ones
+// keeps the differences and sums of the range arithmetic below inside int64.
+constexpr int64_t kOffsetLimit = int64_t{1} << 62;
+bool offset_in_range(int64_t value) { return value > -kOffsetLimit && value < kOffsetLimit; }
+
 int64_t as_int64(PyObject* value, const char* what) {
   int overflow = 0;
   const long long out = PyLong_AsLongLongAndOverflow(value, &overflow);
@@ -89,21 +95,44 @@ int64_t as_int64(PyObject* value, const char* what) {
     PyErr_Clear();
     throw py::type_error(std::string("param_world_index_map values must hold int ") + what);
   }
-  if (overflow != 0) throw py::value_error(std::string("param_world_index_map ") + what + " exceeds int64");
+  if (overflow != 0 || !offset_in_range(out)) {
+    throw py::value_error(std::string("param_world_index_map ") + what + " must be in (-2^62, 2^62)");
+  }
   return out;
+}
+
+void check_world_range(int64_t world_start, int64_t world_end, int64_t bucket_offset) {
+  if (!offset_in_range(world_start) || !offset_in_range(world_end) || !offset_in_range(bucket_offset)) {
+    throw py::value_error("gbuf_world_range and bucket_offset must be in (-2^62, 2^62) (got " +
+                          std::to_string(world_start) + ", " + std::to_string(world_end) + ", " +
+                          std::to_string(bucket_offset) + ")");
+  }
 }
 
 // DistributedOptimizer._build_model_gbuf_param_range_map on the dict itself: one pass over its
 // (start, end, bucket) values; only owned params get Range objects, in the dict's order.
 py::dict param_range_map(const py::dict& param_world_index_map, int64_t world_start, int64_t world_end,
                          int64_t bucket_offset, const py::object& range_type) {
+  check_world_range(world_start, world_end, bucket_offset);
   const int64_t world_size = world_end - world_start;
   const py::str gbuf_world("gbuf_world"), in_bucket("gbuf_world_in_bucket"), gbuf_local("gbuf_local"),
       param_key("param");
   py::dict out;
-  PyObject *key = nullptr, *value = nullptr;
+  PyObject *borrowed_key = nullptr, *borrowed_value = nullptr;
   Py_ssize_t pos = 0;
-  while (PyDict_Next(param_world_index_map.ptr(), &pos, &key, &value)) {
+  const Py_ssize_t size_before = PyDict_GET_SIZE(param_world_index_map.ptr());
+  auto check_size = [&] {  // as iterating .items() does
+    if (PyDict_GET_SIZE(param_world_index_map.ptr()) != size_before) {
+      throw std::runtime_error("dictionary changed size during iteration");
+    }
+  };
+  while (PyDict_Next(param_world_index_map.ptr(), &pos, &borrowed_key, &borrowed_value)) {
+    check_size();
+    // Owned: __index__, range_type or __hash__ below run Python code, which may change the dict.
+    const auto key_ref = py::reinterpret_borrow<py::object>(borrowed_key);
+    const auto value_ref = py::reinterpret_borrow<py::object>(borrowed_value);
+    PyObject* key = key_ref.ptr();
+    PyObject* value = value_ref.ptr();
     int64_t start, end;
     if (PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 3) {  // Megatron's own entries
       start = as_int64(PyTuple_GET_ITEM(value, 0), "starts");
@@ -131,6 +160,7 @@ py::dict param_range_map(const py::dict& param_world_index_map, int64_t world_st
     ranges[param_key] = range_type(sub_start, sub_start + size);
     out[py::handle(key)] = std::move(ranges);
   }
+  check_size();
   return out;
 }
 
@@ -313,7 +343,9 @@ py::dict index_map(const py::list& params, const CArray<int64_t>& param_start, c
   const auto starts = span_1d(param_start, "param_start");
   const auto ends = span_1d(param_end, "param_end");
   const auto ids = span_1d(bucket_id, "bucket_id");
-  const auto n = static_cast<size_t>(PyList_GET_SIZE(params.ptr()));
+  // A snapshot, as upstream iterates a copy: a param's __hash__ may change the caller's list.
+  const py::tuple owned_params(params);
+  const auto n = static_cast<size_t>(PyTuple_GET_SIZE(owned_params.ptr()));
   if (starts.size() != n || ends.size() != n || ids.size() != n) {
     throw py::value_error("param_start, param_end and bucket_id must have one entry per param");
   }
@@ -329,7 +361,7 @@ py::dict index_map(const py::list& params, const CArray<int64_t>& param_start, c
   py::object last_end, last_bucket;
   int64_t last_end_value = 0, last_bucket_value = 0;
   for (size_t k = n; k-- > 0;) {
-    PyObject* param = PyList_GET_ITEM(params.ptr(), static_cast<Py_ssize_t>(k));
+    PyObject* param = PyTuple_GET_ITEM(owned_params.ptr(), static_cast<Py_ssize_t>(k));
     py::object value = py::reinterpret_steal<py::object>(PyTuple_New(3));
     if (!value) throw py::error_already_set();
     // A param usually starts where the previous one ended, in the previous one's bucket: share those ints.
@@ -397,9 +429,9 @@ py::object index_snapshot(const py::dict& param_world_index_map) {
       if (!PyLong_CheckExact(item)) return py::none();
       int overflow = 0;
       triple[j] = PyLong_AsLongLongAndOverflow(item, &overflow);
-      if (overflow != 0 || (triple[j] == -1 && PyErr_Occurred())) {
+      if (overflow != 0 || (triple[j] == -1 && PyErr_Occurred()) || !offset_in_range(triple[j])) {
         PyErr_Clear();
-        return py::none();
+        return py::none();  // the plain path says what is wrong
       }
     }
     if (!starts.empty() && triple[0] < starts.back()) sorted = false;
@@ -426,6 +458,7 @@ py::object param_range_map_indexed(const py::dict& param_world_index_map, const 
                                    bool starts_sorted, unsigned long long version, int64_t world_start,
                                    int64_t world_end,
                                    int64_t bucket_offset, const py::object& range_type) {
+  check_world_range(world_start, world_end, bucket_offset);
   const Py_ssize_t n = PyTuple_GET_SIZE(keys.ptr());
   const auto starts = span_1d(param_start, "param_start");
   const auto ends = span_1d(param_end, "param_end");

@@ -31,7 +31,7 @@ struct AttrReadCounts {
   int64_t generic = 0;
 };
 
-// Adds to the process-wide counts read back by `checkpoint_attr_read_counts` (GIL held).
+// Adds to the process-wide counts read back by `checkpoint_read_counts` (GIL held).
 void add_attr_read_counts(const AttrReadCounts& counts);
 AttrReadCounts take_attr_read_counts();
 
@@ -97,7 +97,7 @@ class AttrReader {
   unsigned int version_tag_ = 0;  // never 0 while cached: CPython's "no valid tag"
   void* keys_ = nullptr;
   Py_ssize_t index_ = 0;
-  PyTypeObject* rejected_type_ = nullptr;  // last class found ineligible (no reference; compared only)
+  PyTypeObject* rejected_type_ = nullptr;  // last class found ineligible (strong reference, like type_)
   unsigned int rejected_version_tag_ = 0;
 #endif
   PyObject* name_;
