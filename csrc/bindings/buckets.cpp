@@ -56,7 +56,11 @@ py::tuple shard_ranges(const CArray<int64_t>& param_start, const CArray<int64_t>
                        bool reverse_order, int num_threads) {
   const auto starts = span_1d(param_start, "param_start");
   const auto ends = span_1d(param_end, "param_end");
-  const auto ids = span_1d(bucket_id, "bucket_id");
+  // Copied: the core checks bucket ids and then indexes with them, and another Python thread
+  // could rewrite the caller's array in between while the GIL is released.
+  const auto id_view = span_1d(bucket_id, "bucket_id");
+  const std::vector<int64_t> id_copy(id_view.begin(), id_view.end());
+  const std::span<const int64_t> ids(id_copy);
   const auto buckets_span = span_2col(bucket_indices, "bucket_indices");
   buckets::ShardRanges ranges;
   {

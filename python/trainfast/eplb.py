@@ -296,6 +296,8 @@ def balanced_packing(weight: Any, num_packs: int, *, num_threads: int | None = N
 
     Args:
         weight: `[rows, n]` item weights (float32/float64/integer); ``n % num_packs == 0``.
+            Narrower integers (int8/16/32, uint8) are summed as int64, where upstream's pack sums
+            would wrap in the narrow dtype: equal results unless a pack's load overflows it.
         num_packs: number of packs.
 
     Returns:
