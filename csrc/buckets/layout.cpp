@@ -38,9 +38,6 @@ int64_t lcm_checked(int64_t a, int64_t b) {
   return *product;
 }
 
-}  // namespace
-
-
 // value / divisor (value >= 0, divisor >= 1) rounded to the nearest double, ties to even: Python's
 // int / int, which rounds the exact quotient once.
 double divide_as_python(int64_t value, int64_t divisor) {
@@ -54,9 +51,8 @@ double divide_as_python(int64_t value, int64_t divisor) {
   const u128 scaled = static_cast<u128>(value) << shift;
   const u128 quotient = scaled / static_cast<u128>(divisor);
   const bool inexact = scaled % static_cast<u128>(divisor) != 0;
-  const int num_bits = 128 - (static_cast<uint64_t>(quotient >> 64) != 0
-                                  ? std::countl_zero(static_cast<uint64_t>(quotient >> 64))
-                                  : 64 + std::countl_zero(static_cast<uint64_t>(quotient)));
+  const auto high = static_cast<uint64_t>(quotient >> 64);
+  const int num_bits = high != 0 ? 64 + std::bit_width(high) : std::bit_width(static_cast<uint64_t>(quotient));
   const int drop = num_bits - 53;
   uint64_t mantissa = static_cast<uint64_t>(quotient >> drop);
   const u128 rest = quotient & ((u128{1} << drop) - 1);
@@ -65,11 +61,13 @@ double divide_as_python(int64_t value, int64_t divisor) {
   return std::ldexp(static_cast<double>(mantissa), drop - shift);
 }
 
+}  // namespace
+
+
 int64_t pad_to_divisor(int64_t value, int64_t divisor) {
   // Upstream computes int(math.ceil(value / divisor) * divisor): a float quotient, then exact ints.
   const double quotient = std::ceil(divide_as_python(value, divisor));
-  TF_CHECK_ARG(quotient < 0x1p63, "numels", value, "sum too large: padded buffer overflows int64");
-  const auto padded = checked_mul(static_cast<int64_t>(quotient), divisor);
+  const auto padded = quotient < 0x1p63 ? checked_mul(static_cast<int64_t>(quotient), divisor) : std::nullopt;
   TF_CHECK_ARG(padded.has_value(), "numels", value, "sum too large: padded buffer overflows int64");
   return *padded;
 }

@@ -120,6 +120,11 @@ def _float32_loads(weight: torch.Tensor, num_groups: int) -> tuple[np.ndarray, n
     return upstream.contiguous().numpy(), loads
 
 
+def _orders_groups(tie_break: str, num_groups: int, num_nodes: int) -> bool:
+    """Whether the placement sorts each node's groups by load with torch (upstream's tie order)."""
+    return tie_break == "torch" and num_groups // num_nodes > 1
+
+
 def _group_sums(upstream: torch.Tensor, num_groups: int) -> np.ndarray:
     """Upstream's ``weight.unflatten(-1, (num_groups, group_size)).sum(-1)``, float32 `[num_layers, num_groups]`."""
     grouped = upstream.unflatten(-1, (num_groups, upstream.shape[-1] // num_groups))
@@ -163,7 +168,7 @@ def _run(weight: np.ndarray, group_loads: np.ndarray | None, num_physical: int, 
     torch here); returns numpy (phy2log, log2phy, logcnt, phyrank)."""
     threads = resolve_num_threads(num_threads)
     group_order = _EMPTY_I64
-    if tie_break == "torch" and num_groups // num_nodes > 1:
+    if _orders_groups(tie_break, num_groups, num_nodes):
         if group_loads is None:
             group_loads = _group_sums(torch.from_numpy(weight), num_groups)
         group_order = _descending_order_f32(group_loads)
@@ -233,7 +238,7 @@ def rebalance_experts(
     else:  # upstream's global policy
         _check_hierarchical(num_logical, num_replicas, 1, 1, num_gpus, "num_replicas")
         groups, nodes = 1, 1
-    sum_groups = groups if tie_break == "torch" and groups // nodes > 1 else 0
+    sum_groups = groups if _orders_groups(tie_break, groups, nodes) else 0
     phy2log, log2phy, logcnt, phyrank = _run(
         *_float32_loads(tensor, sum_groups), num_replicas, groups, nodes, num_gpus, tie_break=tie_break,
         refine=refine, avoid_gpu_duplicates=avoid_gpu_duplicates, num_threads=num_threads)
@@ -269,7 +274,7 @@ def rebalance_experts_hierarchical(
     check_choice(tie_break, "tie_break", _TIE_BREAKS)
     _check_hierarchical(tensor.shape[1], num_physical_experts, num_groups, num_nodes, num_gpus,
                         "num_physical_experts")
-    sum_groups = num_groups if tie_break == "torch" and num_groups // num_nodes > 1 else 0
+    sum_groups = num_groups if _orders_groups(tie_break, num_groups, num_nodes) else 0
     phy2log, _, logcnt, phyrank = _run(
         *_float32_loads(tensor, sum_groups), num_physical_experts, num_groups, num_nodes, num_gpus,
         tie_break=tie_break, refine=False, avoid_gpu_duplicates=False, num_threads=num_threads)
