@@ -10,6 +10,7 @@ import traceback
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -67,6 +68,21 @@ def test_train_from_counts_equals_train_bpe(parts, pattern):
     assert train_from_counts(counts, 900, show_progress=False) == expected
     assert train_from_counts(WordCounts.from_bytes(counts.to_bytes()), 900, [EOT], show_progress=False) == expected
     assert train_from_counts(counts.counts, 900, [EOT], show_progress=False) == expected
+    numpy_counts = {word: np.int64(count) for word, count in counts.counts.items()}
+    assert train_from_counts(numpy_counts, 900, [EOT], show_progress=False) == expected
+
+
+def test_train_from_counts_changed_by_index():
+    counts: dict = {b"ab": 3, b"cd": 2}
+
+    class Evil:
+        def __index__(self):
+            counts.clear()  # frees the words read so far unless the reader holds them
+            return 5
+
+    counts[b"ef"] = Evil()
+    with pytest.raises(RuntimeError, match="dictionary changed size during iteration"):
+        train_from_counts(counts, 300, show_progress=False)
 
 
 def test_cs336_reference_merges_from_counts(shared_dir):
@@ -198,6 +214,12 @@ def _dist_worker(rank: int, world_size: int, init_file: str, paths: list[str], o
             distributed.train_bpe(bad, 800, [EOT])
         except (ValueError, RuntimeError) as error:
             result["error"] = str(error)
+        # A file missing on one rank only (a node without the shared mount): every rank hears of it.
+        local_paths = paths[:-1] + [str(Path(out_dir) / "missing_on_rank_2.txt")] if rank == 2 else paths
+        try:
+            distributed.train_bpe(local_paths, 800, [EOT])
+        except (FileNotFoundError, RuntimeError) as error:
+            result["missing"] = str(error)
         # Training fails on src with an error other than ValueError/TypeError: every rank hears of it.
         train = distributed.train_from_counts
         if rank == 0:
@@ -256,6 +278,9 @@ def test_distributed_equals_single_process(parts, tmp_path):
     assert results[2]["sub"] is None
     assert all("UTF-8" in result.get("error", "") for result in results), [r.get("error") for r in results]
     assert all("MemoryError: no room" in result.get("train_error", "") for result in results), results
+    assert results[0]["missing"].startswith("counting failed on rank 2: FileNotFoundError"), results[0]
+    assert results[1]["missing"].startswith("BPE training failed on rank 0: RuntimeError: counting failed on rank 2")
+    assert "missing_on_rank_2.txt" in results[2]["missing"]
     assert results[0]["merge"] == "counting failed on rank 1: ValueError: counts from rank 1: corrupt"
     assert results[1]["merge"] is None and results[2]["merge"] is None
 

@@ -12,8 +12,8 @@ import tokenizers
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.bpe_tokenizer import gpt2_ranks_from_fixtures
-from trainfast.bpe import Tokenizer, train_bpe
+from reference.bpe_tokenizer import ReferenceTokenizer, gpt2_ranks_from_fixtures
+from trainfast.bpe import Tokenizer, save, train_bpe
 from trainfast.bpe.export import to_hf_tokenizer_json, to_tiktoken
 
 EOT = "<|endoftext|>"
@@ -101,6 +101,39 @@ def test_trained_vocab_exports(shared_dir, tmp_path, pattern):
     assert hf.decode(ids, skip_special_tokens=False) == text == encoding.decode(ids)
 
 
+def test_special_tokens_of_any_spelling(shared_dir, tmp_path):
+    # Spaces, newlines and characters outside GPT-2's byte map: HF must find them under their own
+    # text (not the byte-mapped one), or it gives them new ids past the vocab.
+    specials = ["<|end of text|>", "<|eot|>\n", "<|€ 中|>", "a é"]
+    vocab, merges = train_bpe(iter([_corpus(shared_dir, "austen", 100_000)]), 600, specials, show_progress=False)
+    tok = Tokenizer(vocab, merges, specials)
+    hf = tokenizers.Tokenizer.from_file(str(to_hf_tokenizer_json(vocab, merges, specials, tmp_path / "t.json")))
+    _, encoding = to_tiktoken(vocab, merges, specials)
+    text = "The end<|end of text|>x<|eot|>\n\nof <|€ 中|> a é, and a  é."
+    ids = tok.encode(text)
+    assert hf.get_vocab_size() == len(vocab)
+    assert _hf_ids(hf, text) == ids == encoding.encode(text, allowed_special="all")
+    assert hf.decode(ids, skip_special_tokens=False) == text == encoding.decode(ids)
+
+
+def test_one_byte_special_token(shared_dir, tmp_path):
+    # train_bpe (like CS336's) gives a one-byte special token its own id beside its byte's.
+    vocab, merges = train_bpe(iter([_corpus(shared_dir, "austen", 100_000) + "|a|b"]), 400, ["|"],
+                              show_progress=False)
+    assert vocab[ord("|")] == vocab[256] == b"|"
+    tok = Tokenizer(vocab, merges, ["|"])
+    text = "x | y|z"
+    assert tok.encode(text) == ReferenceTokenizer(vocab, merges, ["|"]).encode(text)
+    assert tok.encode("|") == [256] and tok.decode([ord("|"), 256]) == "||"
+    _, encoding = to_tiktoken(vocab, merges, ["|"])
+    assert encoding.encode(text, allowed_special="all") == tok.encode(text)
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] = '\|' is also an ordinary vocab token \(ids \[124, 256\]\)"):
+        to_hf_tokenizer_json(vocab, merges, ["|"], tmp_path / "t.json")
+    with pytest.raises(ValueError, match="ids 124 and 256 to the same token"):
+        save(vocab, merges, tmp_path / "out")
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "out" / "vocab.json").exists()
+
+
 def test_hf_json_layout(gpt2, tmp_path):
     path = to_hf_tokenizer_json(gpt2.vocab, gpt2.merges, [EOT], tmp_path / "sub" / "tokenizer.json")
     document = json.loads(path.read_text(encoding="utf-8"))
@@ -124,6 +157,15 @@ def test_special_tokens_must_be_in_vocab(tmp_path):
         to_hf_tokenizer_json(_byte_vocab(), [], ["<|x|>"], tmp_path / "t.json")
     with pytest.raises(ValueError, match=r"special_tokens\[0\] = '<\|x\|>' is not in vocab"):
         to_tiktoken(_byte_vocab(), [], ["<|x|>"])
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_hf_refuses_specials_it_cannot_hold(tmp_path):
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] = 'éé' would decode as other bytes"):
+        to_hf_tokenizer_json({**_byte_vocab(), 256: "éé".encode()}, [], ["éé"], tmp_path / "t.json")
+    vocab = {**_byte_vocab(), 256: b" b", 257: b"a b"}
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] = 'a b' is also made by a merge"):
+        to_hf_tokenizer_json(vocab, [(b" ", b"b"), (b"a", b" b")], ["a b"], tmp_path / "t.json")
     assert not (tmp_path / "t.json").exists()
 
 

@@ -371,7 +371,7 @@ def test_count_inputs_forms(tmp_path):
     assert count_pretokens(iter(["x y", b"x\r\ny"])) == {b"x": 2, b" y": 1, b"\n": 1, b"y": 1}
     assert count_pretokens([]) == {}
     assert count_pretokens([str(a), str(b)]) == both  # a list of str is a list of paths
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"read as file paths: pass documents as iter\(texts\)"):
         count_pretokens(["not a path, a document"])
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
@@ -403,6 +403,9 @@ def test_full_corpus_equals_regex(shared_dir, tmp_path_factory, corpus, name):
     del tokens
     got_ends = _core.bpe_pretokenize_ends(text, NATIVE_ID[name])
     assert got_ends.tobytes() == ends.tobytes()
+    pieces = pretokenize(text, pattern=name)  # past 8 MB: scanned in blocks cut at safe points
+    assert array.array("q", itertools.accumulate(map(len, pieces))).tobytes() == ends.tobytes()
+    del pieces
     for num_threads in (1, 2, 7):
         got = count_pretokens(path, pattern=name, num_threads=num_threads)
         assert got == counts and list(got) == list(counts)

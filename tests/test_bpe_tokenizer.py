@@ -199,6 +199,26 @@ def test_decode_accepts_arrays(gpt2):
     ids = gpt2.encode("The quick brown fox")
     assert gpt2.decode(np.array(ids)) == gpt2.decode(torch.tensor(ids)) == gpt2.decode(tuple(ids)) == \
         gpt2.decode(iter(ids)) == "The quick brown fox"
+    # NumPy integers in a list, as Python's own indexing takes them.
+    assert gpt2.decode(list(np.array(ids))) == gpt2.decode([np.int32(i) for i in ids]) == "The quick brown fox"
+    with pytest.raises(TypeError, match=r"ids\[0\] must be an int \(got float64\)"):
+        gpt2.decode([np.float64(ids[0])])
+    with pytest.raises(TypeError, match=r"ids\[0\] must be an int \(got bool\)"):
+        gpt2.decode([True])
+
+
+def test_decode_survives_ids_changed_by_index():
+    vocab = {i: bytes([i]) for i in range(256)}
+    tok = Tokenizer(vocab, [])
+    ids = [0] * 64
+
+    class Evil:
+        def __index__(self):
+            ids.clear()  # with items read from the caller's list in place, this freed them
+            return 104
+
+    ids[:2] = [Evil(), 105]
+    assert tok.decode(ids) == "hi" + "\x00" * 62
 
 
 @pytest.mark.parametrize("chunker", ["lines", "chars", "random"])

@@ -96,6 +96,21 @@ def test_save_load_arbitrary_bytes(tmp_path):
     assert load(tmp_path) == (vocab, merges)
 
 
+def test_load_reads_crlf_merges(shared_dir, tmp_path):
+    vocab, merges = _train(_fixture(shared_dir, "corpus.en"), 300, [SPECIAL])
+    save(vocab, merges, tmp_path)
+    merges_file = tmp_path / "merges.txt"
+    merges_file.write_bytes(merges_file.read_bytes().replace(b"\n", b"\r\n"))
+    assert load(tmp_path) == (vocab, merges)
+
+
+def test_progress_without_stderr(shared_dir, monkeypatch):
+    # pythonw, daemons: sys.stderr is None, and progress (on by default) must not need it.
+    monkeypatch.setattr("sys.stderr", None)
+    path = _fixture(shared_dir, "corpus.en")
+    assert train_bpe(path, 300, [SPECIAL], show_progress=True) == _train(path, 300, [SPECIAL])
+
+
 def test_save_rejects_duplicate_tokens(tmp_path):
     with pytest.raises(ValueError, match="vocab"):
         save({0: b"a", 1: b"a"}, [], tmp_path / "out")

@@ -126,3 +126,19 @@ def test_encode_batch(sigint_repeatedly):
     text = _random_text(1 << 20, seed=2)
     tokenizer.encode_batch([text[:100]], num_threads=2)
     _assert_stops_cleanly(sigint_repeatedly, lambda: tokenizer.encode_batch([text] * 200, num_threads=2))
+
+
+def test_encode_one_long_pretoken(sigint_repeatedly):
+    # One pre-token of 8 MB (a letters-only line): polled inside its merge, not only between blocks.
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"aa", 257: b"aaaa"}
+    tokenizer = bpe.Tokenizer(vocab, [(b"a", b"a"), (b"aa", b"aa")])
+    tokenizer.encode("a" * 1000)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: tokenizer.encode("a" * (8 << 20)))
+
+
+def test_pretokenize(sigint_repeatedly):
+    code_points = np.array([ord(c) for c in "abcdéжзи中文    \n"], dtype="<u4")
+    indices = np.random.default_rng(3).integers(0, len(code_points), 24 << 20)
+    text = code_points[indices].tobytes().decode("utf-32-le")
+    bpe.pretokenize(text[:1000])
+    _assert_stops_cleanly(sigint_repeatedly, lambda: bpe.pretokenize(text))

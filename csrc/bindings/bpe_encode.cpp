@@ -50,26 +50,37 @@ py::list to_list(const uint32_t* ids, size_t n, const std::vector<py::object>& i
   return out;
 }
 
+// Ints, or objects with __index__ (NumPy integers) as Python's sequence indexing takes them.
 std::vector<int64_t> read_ids(const py::handle& ids) {
-  PyObject* seq = PySequence_Fast(ids.ptr(), "ids must be a sequence of int");
-  if (seq == nullptr) throw py::error_already_set();
-  py::object owner = py::reinterpret_steal<py::object>(seq);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  // A tuple snapshot: an item's __index__ may run Python code that changes the caller's list.
+  PyObject* seq = PySequence_Tuple(ids.ptr());
+  if (seq == nullptr) {
+    PyErr_Clear();
+    throw py::type_error("ids must be a sequence of int (got " +
+                         std::string(py::str(py::type::handle_of(ids).attr("__name__"))) + ")");
+  }
+  const py::tuple owned = py::reinterpret_steal<py::tuple>(seq);
+  const Py_ssize_t n = PyTuple_GET_SIZE(seq);
   std::vector<int64_t> out(static_cast<size_t>(n));
   for (Py_ssize_t k = 0; k < n; ++k) {
-    PyObject* item = items[k];
-    if (!PyLong_Check(item) || PyBool_Check(item)) {
+    PyObject* item = PyTuple_GET_ITEM(seq, k);
+    py::object as_int;
+    if (!PyLong_Check(item) && !PyBool_Check(item) && PyIndex_Check(item)) {
+      as_int = py::reinterpret_steal<py::object>(PyNumber_Index(item));
+      if (!as_int) PyErr_Clear();
+    }
+    PyObject* value = PyLong_Check(item) ? item : as_int.ptr();
+    if (value == nullptr || PyBool_Check(item)) {
       throw py::type_error("ids[" + std::to_string(k) + "] must be an int (got " +
                            std::string(py::str(py::type::handle_of(item).attr("__name__"))) + ")");
     }
     int overflow = 0;
-    const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+    const long long id = PyLong_AsLongLongAndOverflow(value, &overflow);
     if (overflow != 0) {
-      throw py::value_error("ids[" + std::to_string(k) + "] = " + std::string(py::str(item)) +
+      throw py::value_error("ids[" + std::to_string(k) + "] = " + std::string(py::str(value)) +
                             " is not a token id of this vocabulary");
     }
-    out[static_cast<size_t>(k)] = value;
+    out[static_cast<size_t>(k)] = id;
   }
   return out;
 }
@@ -166,7 +177,7 @@ class Encoder {
       py::gil_scoped_release release;
       for (size_t k = 0; k < views.size(); ++k) {
         if (k % 1024 == 0) interrupt.check();
-        encoder_->encode_piece(views[k], ids);
+        encoder_->encode_piece(views[k], ids, &interrupt);
       }
     }
     return to_list(ids.data(), ids.size(), id_objects_);

@@ -67,14 +67,16 @@ py::list pretokenize(const py::str& text, int pattern, const py::list& special_t
   py::object owner;
   const std::string_view utf8 = utf8_of(text, owner, true, "text");
   std::vector<bpe::Piece> pieces;
+  Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
-    pieces = bpe::split_and_pretokenize(utf8, to_pattern(pattern), specials);
+    pieces = bpe::split_and_pretokenize(utf8, to_pattern(pattern), specials, &interrupt);
   }
   py::list out(pieces.size());
   const bool ascii = PyUnicode_IS_ASCII(text.ptr());
   Py_ssize_t char_pos = 0;  // code point index of pieces[k].begin
   for (size_t k = 0; k < pieces.size(); ++k) {
+    if (k % (size_t{1} << 16) == 0 && PyErr_CheckSignals() != 0) throw py::error_already_set();
     const auto& piece = pieces[k];
     Py_ssize_t char_end;
     if (ascii) {

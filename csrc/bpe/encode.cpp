@@ -165,7 +165,10 @@ BpeEncoder::BpeEncoder(std::span<const std::string_view> tokens, std::span<const
     token_bytes_.append(tokens[k]);
     if (tokens[k].size() == 1) {
       const auto b = static_cast<uint8_t>(tokens[k][0]);
-      TF_CHECK_ARG(!have_byte[b], "vocab byte token", static_cast<int>(b), "must appear only once");
+      // A one-byte special token may repeat its byte (train_bpe's vocab); the later id wins, as in
+      // Python's reverse map, and text never reaches it: specials are split off first.
+      const bool is_special = std::find(special_tokens.begin(), special_tokens.end(), tokens[k]) != special_tokens.end();
+      TF_CHECK_ARG(!have_byte[b] || is_special, "vocab byte token", static_cast<int>(b), "must appear only once");
       have_byte[b] = true;
       byte_id_[b] = static_cast<uint32_t>(id);
     }
@@ -304,7 +307,8 @@ void BpeEncoder::merge_small(const uint8_t* s, size_t n, std::vector<uint32_t>& 
   out.insert(out.end(), parts.begin(), parts.begin() + static_cast<std::ptrdiff_t>(m));
 }
 
-void BpeEncoder::merge_large(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws) const {
+void BpeEncoder::merge_large(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws,
+                             Interrupt* interrupt) const {
   // Nodes link by 32-bit positions (half the memory of 64-bit ones for the common large piece).
   if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
     throw std::length_error("a pre-token of " + std::to_string(n) + " bytes is too long to encode (at most 2^31 - 1)");
@@ -323,7 +327,9 @@ void BpeEncoder::merge_large(const uint8_t* s, size_t n, std::vector<uint32_t>& 
     if (v.rank != kNoRank) heap.emplace(v.rank, static_cast<int32_t>(i));
   }
   std::vector<uint8_t> alive(n, 1);
-  while (!heap.empty()) {
+  // One pre-token can be a whole file's worth of letters: poll for Ctrl-C inside it.
+  for (uint64_t num_popped = 0; !heap.empty(); ++num_popped) {
+    if (interrupt != nullptr && num_popped % (uint64_t{1} << 16) == 0) interrupt->check();
     const auto [rank, pos] = heap.top();
     heap.pop();
     if (!alive[static_cast<size_t>(pos)]) continue;
@@ -348,14 +354,14 @@ void BpeEncoder::merge_large(const uint8_t* s, size_t n, std::vector<uint32_t>& 
   for (int32_t i = 0; i >= 0; i = nodes[static_cast<size_t>(i)].next) out.push_back(nodes[static_cast<size_t>(i)].id);
 }
 
-void BpeEncoder::encode_pretoken(const uint8_t* s, size_t n, std::vector<uint32_t>& out,
-                                 EncodeWorkspace& ws) const {
+void BpeEncoder::encode_pretoken(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws,
+                                 Interrupt* interrupt) const {
   if (n == 1) {
     out.push_back(byte_id_[s[0]]);
     return;
   }
   if (n > kMaxCachedPiece) {
-    merge_large(s, n, out, ws);
+    merge_large(s, n, out, ws, interrupt);
     return;
   }
   uint64_t word = 0;
@@ -370,15 +376,15 @@ void BpeEncoder::encode_pretoken(const uint8_t* s, size_t n, std::vector<uint32_
   if (n <= kSmallPiece) {
     merge_small(s, n, out, ws);
   } else {
-    merge_large(s, n, out, ws);
+    merge_large(s, n, out, ws, interrupt);
   }
   ws.insert(s, n, h, word, out.data() + before, out.size() - before);
 }
 
-void BpeEncoder::encode_piece(std::string_view piece, std::vector<uint32_t>& out) const {
+void BpeEncoder::encode_piece(std::string_view piece, std::vector<uint32_t>& out, Interrupt* interrupt) const {
   if (piece.empty()) return;
   Lease lease(*this);
-  encode_pretoken(reinterpret_cast<const uint8_t*>(piece.data()), piece.size(), out, *lease.ws);
+  encode_pretoken(reinterpret_cast<const uint8_t*>(piece.data()), piece.size(), out, *lease.ws, interrupt);
 }
 
 void BpeEncoder::encode_with(std::string_view text, std::vector<uint32_t>& out, EncodeWorkspace& ws,
@@ -401,7 +407,7 @@ void BpeEncoder::encode_with(std::string_view text, std::vector<uint32_t>& out, 
       pretokenize(text.substr(i, block_end - i), pattern_, ws.ends);
       size_t begin = 0;
       for (const size_t end : ws.ends) {
-        encode_pretoken(s + i + begin, end - begin, out, ws);
+        encode_pretoken(s + i + begin, end - begin, out, ws, interrupt);
         begin = end;
       }
       i = block_end;

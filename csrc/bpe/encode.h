@@ -41,7 +41,7 @@ class BpeEncoder {
   std::vector<std::vector<uint32_t>> encode_batch(std::span<const std::string_view> texts, int num_threads,
                                                   Interrupt* interrupt = nullptr) const;
   // Ids of one pre-token's bytes (no pre-tokenization, no special tokens); for custom patterns.
-  void encode_piece(std::string_view piece, std::vector<uint32_t>& out) const;
+  void encode_piece(std::string_view piece, std::vector<uint32_t>& out, Interrupt* interrupt = nullptr) const;
 
   // Concatenated bytes of the ids; throws std::invalid_argument naming the first unknown id.
   std::string decode(std::span<const int64_t> ids) const;
@@ -57,9 +57,11 @@ class BpeEncoder {
   void release(std::unique_ptr<EncodeWorkspace> workspace) const;
   void encode_with(std::string_view text, std::vector<uint32_t>& out, EncodeWorkspace& ws,
                    Interrupt* interrupt) const;
-  void encode_pretoken(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws) const;
+  void encode_pretoken(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws,
+                       Interrupt* interrupt) const;
   void merge_small(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws) const;
-  void merge_large(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws) const;
+  void merge_large(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeWorkspace& ws,
+                   Interrupt* interrupt) const;
   // {rank, result id} of the pair, rank == kNoRank when the pair is not a merge.
   struct PairValue {
     uint32_t rank;

@@ -864,20 +864,40 @@ bool SpecialTokenMatcher::straddles(std::string_view text, size_t p) const {
   return false;
 }
 
-std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
-                                         const SpecialTokenMatcher& specials) {
+std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern, const SpecialTokenMatcher& specials,
+                                         Interrupt* interrupt) {
+  constexpr size_t kPollBytes = size_t{1} << 22;
+  auto safe = [pattern](const uint8_t* s, size_t p, size_t n) {
+    switch (pattern) {
+      case Pattern::kGpt2: return is_safe_split<Pattern::kGpt2>(s, p, n);
+      case Pattern::kCl100k: return is_safe_split<Pattern::kCl100k>(s, p, n);
+      case Pattern::kO200k: return is_safe_split<Pattern::kO200k>(s, p, n);
+    }
+    return false;
+  };
   std::vector<Piece> pieces;
   std::vector<size_t> ends;
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
   size_t i = 0;
   while (i <= text.size()) {
     const auto [special_start, special_len] = specials.find(text, i);
-    ends.clear();
-    pretokenize_segment(s + i, special_start - i, i, pattern, ends);
-    size_t begin = i;
-    for (size_t end : ends) {
-      pieces.push_back({begin, end, false});
-      begin = end;
+    // A long segment goes in blocks cut at safe points (same pre-tokens), polling Ctrl-C between.
+    for (size_t begin = i; begin < special_start;) {
+      const size_t n = special_start - begin;
+      size_t p = n;
+      if (n > 2 * kPollBytes) {
+        p = kPollBytes;
+        while (p < n && !safe(s + begin, p, n)) ++p;
+      }
+      ends.clear();
+      pretokenize_segment(s + begin, p, begin, pattern, ends);
+      size_t piece_begin = begin;
+      for (size_t end : ends) {
+        pieces.push_back({piece_begin, end, false});
+        piece_begin = end;
+      }
+      begin += p;
+      if (interrupt != nullptr) interrupt->check();
     }
     if (special_len == 0) break;
     pieces.push_back({special_start, special_start + special_len, true});

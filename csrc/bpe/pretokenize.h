@@ -60,8 +60,8 @@ struct Piece {
   size_t end;
   bool special;
 };
-std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
-                                         const SpecialTokenMatcher& specials);
+std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern, const SpecialTokenMatcher& specials,
+                                         Interrupt* interrupt = nullptr);
 
 // Invalid UTF-8 in strict mode; the message names the input and the first bad byte's offset.
 class DecodeError : public std::invalid_argument {

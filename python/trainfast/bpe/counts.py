@@ -242,8 +242,8 @@ def count_words(
 ) -> WordCounts:
     """Pre-token counts of files or documents, exactly those ``train_bpe`` trains on (each input is
     pre-tokenized on its own). ``inputs`` is read as ``count_pretokens`` reads it: one path (str or
-    ``os.PathLike``), a list of ``os.PathLike`` paths (e.g. ``pathlib.Path``), or an iterable of
-    ``str``/``bytes`` documents (so a list of ``str`` is documents, not file names)."""
+    ``os.PathLike``), a list or tuple of paths (str or ``os.PathLike``), or any other iterable of
+    ``str``/``bytes`` documents (so pass a list of document strings as e.g. ``iter(texts)``)."""
     from trainfast.bpe.pretokenize import count_pretokens
     from trainfast.bpe.tokenizer import _check_special_tokens
 

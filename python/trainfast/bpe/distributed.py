@@ -49,11 +49,14 @@ def _check_paths(paths: Any) -> list[str]:
     for idx, path in enumerate(paths):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"paths[{idx}] must be a path (got {type(path).__name__})")
-        path = os.fspath(path)
+        out.append(os.fspath(path))
+    return out
+
+
+def _check_files_exist(paths: list[str]) -> None:
+    for idx, path in enumerate(paths):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"paths[{idx}] = {path!r} is not a file")
-        out.append(path)
-    return out
 
 
 def count_words(
@@ -81,9 +84,11 @@ def count_words(
     dst = check_int(dst, "dst", min_value=0)
     if dst >= world_size:
         raise ValueError(f"dst must be a rank of the group, in [0, {world_size}) (got {dst})")
-    my_paths = shard_files(paths, world_size)[rank]
     local, error = None, None
     try:
+        # Inside the try: a file missing on one node only must reach dst, not leave it waiting.
+        _check_files_exist(paths)
+        my_paths = shard_files(paths, world_size)[rank]
         local = _count_words_local([Path(p) for p in my_paths], special_tokens, pattern, num_threads, errors=errors,
                                    show_progress=show_progress) if my_paths else \
             WordCounts(pattern=pattern, special_tokens=special_tokens)

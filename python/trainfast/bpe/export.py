@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,10 @@ __all__ = ["to_hf_tokenizer_json", "to_tiktoken"]
 
 def _checked(vocab: Any, merges: Any, special_tokens: Any) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]],
                                                                     list[str], dict[bytes, int]]:
-    vocab = _check_vocab(vocab)
-    token_to_id = {token: token_id for token_id, token in vocab.items()}
-    merges = _check_merges(merges, token_to_id)
     special_tokens = _check_special_tokens(special_tokens)
+    vocab = _check_vocab(vocab, special_tokens)
+    token_to_id = {token: token_id for token_id, token in vocab.items()}  # as Tokenizer: the last id wins
+    merges = _check_merges(merges, token_to_id)
     for idx, token in enumerate(special_tokens):
         if token.encode("utf-8") not in token_to_id:
             raise ValueError(f"special_tokens[{idx}] = {token!r} is not in vocab (add it to vocab first, e.g. "
@@ -65,6 +66,11 @@ def _pattern_regex(pattern: str) -> str | None:
     return pattern
 
 
+def text_of(token: bytes, table: dict[int, str]) -> str:
+    """GPT-2's printable spelling of token bytes."""
+    return "".join(table[b] for b in token)
+
+
 _POSSESSIVE_COUNT = re.compile(r"(\{\d+(?:,\d*)?\})\+")
 
 
@@ -94,7 +100,10 @@ def to_hf_tokenizer_json(
         vocab: ``{id: token bytes}`` (all 256 single bytes, distinct tokens).
         merges: ``(left, right)`` pairs in creation order.
         special_tokens: strings that must be in ``vocab`` (as UTF-8 bytes); written as added special
-            tokens, matched before pre-tokenization, longest first.
+            tokens, matched before pre-tokenization, longest first. Refused (``ValueError``) where
+            tokenizer.json cannot hold one: a special token that is also an ordinary token or a merge
+            result under another spelling, or one HF's ByteLevel decoder would turn into other bytes
+            (spelled only with GPT-2 byte-map characters, some not ASCII, such as ``"é"``).
         path: the output file.
         pattern: ``"gpt2"`` (ByteLevel's own regex), ``"cl100k"``, ``"o200k"`` or a regex string (a
             ``Split`` pre-tokenizer before a regex-less ByteLevel).
@@ -104,9 +113,29 @@ def to_hf_tokenizer_json(
     if regex is not None:
         regex = _onig_regex(regex)
     table = bytes_to_unicode()
+    mapped_chars = set(table.values())
+    merged = {left + right for left, right in merges}
+    special_of = {token.encode("utf-8"): token for token in special_tokens}
+    repeated = {t for t, n in Counter(vocab.values()).items() if n > 1} if len(token_to_id) < len(vocab) else set()
+    for idx, token in enumerate(special_tokens):
+        token_bytes = token.encode("utf-8")
+        if token_bytes in repeated:
+            raise ValueError(f"special_tokens[{idx}] = {token!r} is also an ordinary vocab token (ids "
+                             f"{sorted(i for i, t in vocab.items() if t == token_bytes)}); tokenizer.json holds "
+                             f"one id per token")
+        # HF's ByteLevel decoder maps a token's characters back to bytes when it can read all of them
+        # that way, which changes a special token spelled only with byte-map characters, some non-ASCII.
+        if not token.isascii() and all(char in mapped_chars for char in token):
+            raise ValueError(f"special_tokens[{idx}] = {token!r} would decode as other bytes in HF tokenizers "
+                             f"(its ByteLevel decoder reads each character as a byte of GPT-2's byte map)")
+        if token_bytes in merged and text_of(token_bytes, table) != token:
+            raise ValueError(f"special_tokens[{idx}] = {token!r} is also made by a merge; tokenizer.json would "
+                             f"need it under two spellings")
 
     def text(token: bytes) -> str:
-        return "".join(table[b] for b in token)
+        # Special tokens go by their own text, which HF's added tokens look up in the vocab.
+        special = special_of.get(token)
+        return special if special is not None else text_of(token, table)
 
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": regex is None}
     if regex is None:
@@ -139,7 +168,7 @@ def to_hf_tokenizer_json(
             "byte_fallback": False,
             "ignore_merges": False,
             "vocab": {text(token): token_id for token_id, token in sorted(vocab.items())},
-            "merges": [f"{text(left)} {text(right)}" for left, right in merges],
+            "merges": [f"{text_of(left, table)} {text_of(right, table)}" for left, right in merges],
         },
     }
     path = Path(path)
@@ -167,7 +196,7 @@ def to_tiktoken(
     import tiktoken
 
     vocab, merges, special_tokens, token_to_id = _checked(vocab, merges, special_tokens)
-    special_bytes = {token.encode("utf-8") for token in special_tokens}
+    special_ids = {token_to_id[token.encode("utf-8")] for token in special_tokens}
     merge_of: dict[bytes, int] = {}
     last_id = -1
     for idx, (left, right) in enumerate(merges):
@@ -182,7 +211,7 @@ def to_tiktoken(
         last_id = token_to_id[merged]
     ranks: dict[bytes, int] = {}
     for token_id, token in vocab.items():
-        if token in special_bytes:
+        if token_id in special_ids:
             continue
         if len(token) > 1 and token not in merge_of:
             raise ValueError(f"vocab[{token_id}] = {token!r} is neither a byte, a merge result nor a special token; "

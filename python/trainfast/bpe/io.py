@@ -107,7 +107,7 @@ def load(out_dir: str | os.PathLike[str]) -> tuple[dict[int, bytes], list[tuple[
     merges = []
     with open(out / MERGES_FILE, encoding="utf-8", newline="\n") as f:
         for line_no, line in enumerate(f, start=1):
-            line = line.rstrip("\n")
+            line = line.rstrip("\n").rstrip("\r")  # as load_merges reads it: CRLF files too
             if line.startswith("#version") and line_no == 1 or not line:
                 continue
             parts = line.split(" ")

@@ -170,7 +170,7 @@ class _Progress:
         self.bar = None
         self.last_log = time.monotonic()
         self.total = total
-        if enabled and sys.stderr.isatty():
+        if enabled and sys.stderr is not None and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="pre-tokenizing")
@@ -263,7 +263,8 @@ def count_pretokens(
     if paths is not None:
         for path in paths:
             if not os.path.exists(path):
-                raise FileNotFoundError(2, "No such file or directory", path)
+                hint = "" if _is_path(inputs) else " (a list of str is read as file paths: pass documents as iter(texts))"
+                raise FileNotFoundError(2, "No such file or directory" + hint, path)
         total = sum(os.path.getsize(path) for path in paths if os.path.isfile(path))
         progress = _Progress(show_progress, total)
         try:

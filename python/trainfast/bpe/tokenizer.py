@@ -37,8 +37,9 @@ class Tokenizer:
     """A byte-level BPE tokenizer over a fixed vocabulary, merge list and special tokens.
 
     Args:
-        vocab: ``{id: token bytes}``; ids are non-negative ints, tokens distinct non-empty bytes,
-            and all 256 single bytes must be present.
+        vocab: ``{id: token bytes}``; ids are non-negative ints, tokens distinct non-empty bytes
+            (except that a special token may also be an ordinary token: ``train_bpe`` gives a
+            one-byte special token an id of its own), and all 256 single bytes must be present.
         merges: ``(left, right)`` byte pairs in creation order (rank = index); both sides and their
             concatenation must be vocab tokens.
         special_tokens: strings always encoded as one token each; one missing from ``vocab`` is
@@ -59,10 +60,12 @@ class Tokenizer:
         from trainfast import _core
         from trainfast.bpe.pretokenize import _resolve_pattern
 
-        self._vocab = _check_vocab(vocab)
+        self._special_tokens = _check_special_tokens(special_tokens)
+        self._vocab = _check_vocab(vocab, self._special_tokens)
+        # Where a special token repeats a vocab token (train_bpe's one-byte specials), the last id
+        # wins, as in CS336's reverse map; text never reaches the other, specials are split first.
         self._token_to_id = {token: token_id for token_id, token in self._vocab.items()}
         self._merges = _check_merges(merges, self._token_to_id)
-        self._special_tokens = _check_special_tokens(special_tokens)
         next_id = max(self._vocab, default=-1) + 1
         special_ids = []
         for token in self._special_tokens:
@@ -262,9 +265,12 @@ def _id_list(ids: Any) -> Any:
 # --- validation ------------------------------------------------------------------------------
 
 
-def _check_vocab(vocab: Any) -> dict[int, bytes]:
+def _check_vocab(vocab: Any, special_tokens: Sequence[str] = ()) -> dict[int, bytes]:
+    """Tokens must be distinct, except that a special token may also be an ordinary token (the
+    vocab ``train_bpe`` returns for a one-byte special token holds that byte twice)."""
     if not isinstance(vocab, dict):
         raise TypeError(f"vocab must be a dict[int, bytes] (got {type(vocab).__name__})")
+    special_bytes = {token.encode("utf-8") for token in special_tokens}
     out: dict[int, bytes] = {}
     seen: dict[bytes, int] = {}
     for token_id, token in vocab.items():
@@ -279,7 +285,7 @@ def _check_vocab(vocab: Any) -> dict[int, bytes]:
             raise TypeError(f"vocab[{token_id}] must be bytes (got {type(token).__name__} {token!r})")
         if not token:
             raise ValueError(f"vocab[{token_id}] must be non-empty bytes (got b'')")
-        if token in seen:
+        if token in seen and token not in special_bytes:
             raise ValueError(f"vocab ids {seen[token]} and {token_id} both map to token {token!r}")
         seen[token] = token_id
         out[token_id] = token
