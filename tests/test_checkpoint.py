@@ -279,6 +279,35 @@ def test_negative_dimension():
         checkpoint.split_by_size_and_type(2, [_with_chunk(tensor_item("x", (4,)), (2.5,))])
 
 
+def test_shape_list_changed_by_a_dimension():
+    # A dimension's __index__ that empties the shape list: read from a copy, never from freed memory.
+    sizes: list = []
+
+    class Shrinking:
+        def __index__(self):
+            sizes.clear()
+            sizes.extend([object()] * 1000)
+            return 1
+
+    sizes.extend([Shrinking()] + [3] * 2000)
+    items = [_with_chunk(tensor_item("x", (4,)), sizes), tensor_item("y", (3,))]
+    with pytest.raises(ValueError, match=r"items\[0\]\.tensor_data\.chunk\.sizes has more than 2\^63-1"):
+        checkpoint.split_by_size_and_type(2, items, num_threads=1)
+
+
+def test_bad_byte_sizes_in_refined_balance():
+    from torch.distributed.checkpoint.planner import BytesIOWriteData
+
+    for nbytes, error, match in [(None, TypeError, "must be an int"), ("12", TypeError, "must be an int"),
+                                 (1.5, TypeError, "must be an int"), (2**64, ValueError, r"must be in \[0, 2\^63\)"),
+                                 (-1, ValueError, r"must be in \[0, 2\^63\)")]:
+        blob = WriteItem(index=MetadataIndex("blob"), type=WriteItemType.BYTE_IO,
+                         bytes_io_data=BytesIOWriteData(nbytes=0))
+        object.__setattr__(blob.bytes_io_data, "nbytes", nbytes)
+        with pytest.raises(error, match=r"items\[0\]\.bytes_io_data\.nbytes " + match):
+            checkpoint.split_by_size_and_type(2, [blob, tensor_item("t", (4,))], balance="refined")
+
+
 def _with_chunk(item, sizes):
     object.__setattr__(item.tensor_data.chunk, "sizes", sizes)
     return item

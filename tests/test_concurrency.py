@@ -125,3 +125,48 @@ def test_calls_work_after_fork(name):
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _race_with_writer(call, write, num_calls: int) -> None:
+    """Runs call() num_calls times while another thread keeps writing to its input arrays in place;
+    each call must return or raise ValueError, never write out of bounds (this crashed before)."""
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            write()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(num_calls):
+            try:
+                call()
+            except ValueError:
+                pass
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_assign_bins_while_another_thread_writes_the_arrays():
+    num_items = 1_000_000
+    is_bytes = np.zeros(num_items, dtype=np.uint8)
+    sizes = np.arange(num_items, dtype=np.int64) % 5000
+
+    def flip():
+        is_bytes[:] = 1
+        is_bytes[:] = 0
+
+    _race_with_writer(lambda: checkpoint.assign_bins(is_bytes, sizes, 8), flip, 60)
+
+
+def test_shard_ranges_while_another_thread_writes_the_layout():
+    layout = buckets.plan_layout(np.full(200_000, 64, dtype=np.int64), data_parallel_world_size=8)
+    full_end, start = layout.param_end.clone(), layout.param_start.clone()
+
+    def flip():
+        layout.param_end.copy_(start)  # every param empty, then whole again
+        layout.param_end.copy_(full_end)
+
+    _race_with_writer(lambda: buckets.shard_ranges(layout, 8, num_threads=1), flip, 100)

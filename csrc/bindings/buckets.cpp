@@ -33,8 +33,10 @@ std::span<const int64_t> span_2col(const CArray<int64_t>& array, const char* nam
 py::tuple plan_layout(const CArray<int64_t>& numels, const CArray<uint8_t>& shared_embedding,
                       std::optional<int64_t> bucket_size, int64_t data_parallel_world_size,
                       bool use_distributed_optimizer, bool pad_buckets_for_high_nccl_busbw) {
-  const auto numels_span = span_1d(numels, "numels");
-  const auto shared_span = span_1d(shared_embedding, "shared_embedding");
+  const std::vector<int64_t> numels_copy = snapshot(span_1d(numels, "numels"));
+  const std::vector<uint8_t> shared_copy = snapshot(span_1d(shared_embedding, "shared_embedding"));
+  const std::span<const int64_t> numels_span(numels_copy);
+  const std::span<const uint8_t> shared_span(shared_copy);
   buckets::Layout layout;
   {
     py::gil_scoped_release release;
@@ -54,14 +56,12 @@ py::tuple shard_ranges(const CArray<int64_t>& param_start, const CArray<int64_t>
                        const CArray<int64_t>& bucket_id, const CArray<int64_t>& bucket_indices,
                        int64_t data_parallel_world_size, int64_t rank_begin, int64_t rank_end,
                        bool reverse_order, int num_threads) {
-  const auto starts = span_1d(param_start, "param_start");
-  const auto ends = span_1d(param_end, "param_end");
-  // Copied: the core checks bucket ids and then indexes with them, and another Python thread
-  // could rewrite the caller's array in between while the GIL is released.
-  const auto id_view = span_1d(bucket_id, "bucket_id");
-  const std::vector<int64_t> id_copy(id_view.begin(), id_view.end());
-  const std::span<const int64_t> ids(id_copy);
-  const auto buckets_span = span_2col(bucket_indices, "bucket_indices");
+  // The core counts each rank's rows in one pass and writes them in another.
+  const std::vector<int64_t> start_copy = snapshot(span_1d(param_start, "param_start"));
+  const std::vector<int64_t> end_copy = snapshot(span_1d(param_end, "param_end"));
+  const std::vector<int64_t> id_copy = snapshot(span_1d(bucket_id, "bucket_id"));
+  const std::vector<int64_t> bucket_copy = snapshot(span_2col(bucket_indices, "bucket_indices"));
+  const std::span<const int64_t> starts(start_copy), ends(end_copy), ids(id_copy), buckets_span(bucket_copy);
   buckets::ShardRanges ranges;
   {
     py::gil_scoped_release release;

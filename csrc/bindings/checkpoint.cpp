@@ -39,19 +39,17 @@ int64_t numel_of(py::handle shape, size_t idx, const char* field) {
   // Built only on error: a string per item would cost as much as the rest of the read.
   auto where = [&] { return item_name(idx) + "." + field; };
   if (!PySequence_Check(shape.ptr())) throw py::type_error(where() + " must be a sequence of ints");
-  // torch.Size is a tuple subclass: index it in place (PySequence_Fast would copy it to a list).
-  py::object fast;
-  PyObject** dims;
-  Py_ssize_t ndim;
-  if (PyTuple_Check(shape.ptr())) {
-    ndim = PyTuple_GET_SIZE(shape.ptr());
-    dims = &PyTuple_GET_ITEM(shape.ptr(), 0);
-  } else {
-    fast = py::reinterpret_steal<py::object>(PySequence_Fast(shape.ptr(), "shape"));
-    if (!fast) throw py::error_already_set();
-    ndim = PySequence_Fast_GET_SIZE(fast.ptr());
-    dims = PySequence_Fast_ITEMS(fast.ptr());
+  // torch.Size is a tuple subclass: index it in place. Anything else is read from a tuple copy, as
+  // a dimension's __index__ may run Python code that changes a list.
+  py::object copy;
+  PyObject* dims_tuple = shape.ptr();
+  if (!PyTuple_Check(dims_tuple)) {
+    copy = py::reinterpret_steal<py::object>(PySequence_Tuple(dims_tuple));
+    if (!copy) throw py::error_already_set();
+    dims_tuple = copy.ptr();
   }
+  const Py_ssize_t ndim = PyTuple_GET_SIZE(dims_tuple);
+  PyObject** dims = &PyTuple_GET_ITEM(dims_tuple, 0);
   int64_t numel = 1;
   for (Py_ssize_t d = 0; d < ndim; ++d) {
     py::handle dim(dims[d]);
@@ -232,10 +230,16 @@ void read_item_generic(ItemReadContext& ctx, const py::object& item, size_t i, u
       auto data_obj = py::reinterpret_steal<py::object>(data);
       const py::str nbytes_attr = interned("nbytes");
       if (data != nullptr && !data_obj.is_none() && py::hasattr(data_obj, nbytes_attr)) {
-        const auto nbytes = data_obj.attr(nbytes_attr).cast<long long>();
-        if (nbytes < 0) {
-          throw py::value_error(item_name(i) + ".bytes_io_data.nbytes must be non-negative (got " +
-                                std::to_string(nbytes) + ")");
+        const py::object nbytes_obj = data_obj.attr(nbytes_attr);
+        if (!PyLong_Check(nbytes_obj.ptr()) || PyBool_Check(nbytes_obj.ptr())) {
+          throw py::type_error(item_name(i) + ".bytes_io_data.nbytes must be an int (got " +
+                               std::string(py::repr(nbytes_obj)) + ")");
+        }
+        int overflow = 0;
+        const long long nbytes = PyLong_AsLongLongAndOverflow(nbytes_obj.ptr(), &overflow);
+        if (overflow != 0 || nbytes < 0) {
+          throw py::value_error(item_name(i) + ".bytes_io_data.nbytes must be in [0, 2^63) (got " +
+                                std::string(py::repr(nbytes_obj)) + ")");
         }
         size_out = nbytes;
       }
@@ -377,8 +381,11 @@ py::tuple write_item_sizes(const py::list& items, const py::object& byte_io_type
 
 py::tuple assign_bins(const CArray<uint8_t>& is_bytes, const CArray<int64_t>& sizes, int64_t bins,
                       bool refined) {
-  const auto is_bytes_span = span_1d(is_bytes, "is_bytes");
-  const auto sizes_span = span_1d(sizes, "sizes");
+  // An item that changed kind between the core's passes would overrun `order`.
+  const std::vector<uint8_t> is_bytes_copy = snapshot(span_1d(is_bytes, "is_bytes"));
+  const std::vector<int64_t> sizes_copy = snapshot(span_1d(sizes, "sizes"));
+  const std::span<const uint8_t> is_bytes_span(is_bytes_copy);
+  const std::span<const int64_t> sizes_span(sizes_copy);
   checkpoint::BinPlan plan;
   {
     Interrupt interrupt = python_interrupt();

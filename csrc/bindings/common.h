@@ -27,6 +27,14 @@ std::span<const T> span_1d(const CArray<T>& array, const char* name) {
   return {array.data(), static_cast<size_t>(array.shape(0))};
 }
 
+// A private copy of an input that the core reads without the GIL: another Python thread may write
+// to the caller's array meanwhile, and the core reads some values more than once (sizes its
+// outputs in one pass, fills them in another), so a changing value could overrun an output.
+template <typename T>
+std::vector<T> snapshot(std::span<const T> values) {
+  return {values.begin(), values.end()};
+}
+
 // Moves a vector into a NumPy array that owns it (no copy); torch.from_numpy then shares it too.
 template <typename T, typename Allocator>
 py::array_t<T> to_numpy(std::vector<T, Allocator>&& values, std::vector<py::ssize_t> shape = {}) {
