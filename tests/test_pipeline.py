@@ -343,7 +343,7 @@ def _char(layer_type):
     return {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}[layer_type.name]
 
 
-LAYOUT_ALPHABET = "EtmL|()*,0123x"
+LAYOUT_ALPHABET = "EtmL|()*,0123x３٢"  # Megatron's \d and int() read any Unicode decimal digit
 
 
 @given(st.text(LAYOUT_ALPHABET, max_size=14), st.integers(1, 3))
@@ -552,6 +552,14 @@ def test_balanced_layout_torch_input():
         (lambda: tp.get_num_layers_to_build(SimpleNamespace(num_layers=8, pipeline_model_parallel_size=2,
                                                              virtual_pipeline_model_parallel_size=2),
                                             vp_stage=-2**63, pp_rank=0), ValueError, "vp_stage must be in"),
+        # Past int64 too: a message naming the argument, not pybind's "incompatible function arguments".
+        (lambda: tp.PipelineLayout.from_str("Et|L", 2**63), ValueError, r"pipeline_model_parallel_size must be in"),
+        (lambda: tp.plan_layers(4, 2**63), ValueError, r"pp must be in \(-2\^60, 2\^60\)"),
+        (lambda: tp.balanced_layout([1.0] * 4, 2, -2**64), ValueError, "vpp must be >= 1"),
+        (lambda: tp.PipelineLayout.from_str("Et\ud800|L", 2), ValueError, r"invalid layer character '\\ud800'"),
+        # The chunk count is bounded before a set of every (pp_rank, vp_stage) is built.
+        (lambda: tp.to_layout_str({(0, 0): range(4)}, 2**40), ValueError, r"pp times vpp must be <= 2\^22"),
+        (lambda: tp.chunk_costs({(0, 0): range(4)}, [1.0] * 4, 1, 2**30), ValueError, r"pp times vpp must be <= 2\^22"),
     ],
 )
 def test_bad_input(call, error, match):

@@ -21,6 +21,7 @@ import logging
 import math
 import operator
 import sys
+import unicodedata
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any, Literal, Optional
@@ -52,6 +53,31 @@ _TYPE_CHARS = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
 _CHAR_NAMES = {char: name for name, char in _TYPE_CHARS.items()}
 
 
+# The native planner's bound on every count, size and index (no real model comes near it).
+_LIMIT = 2**60
+_MAX_CHUNKS = 2**22  # pp * vpp
+
+
+def _check_int(value: Any, name: str, *, min_value: int | None = None) -> int:
+    value = check_int(value, name, min_value=min_value)
+    if not -_LIMIT < value < _LIMIT:
+        raise ValueError(f"{name} must be in (-2^60, 2^60) (got {value})")
+    return value
+
+
+def _layout_text(text: str, name: str) -> str:
+    """``text`` with Unicode decimal digits as ASCII ones: Megatron reads repeat counts with ``re``'s
+    ``\\d`` and ``int()``, which take any of them ("Et*３" is "Et*3")."""
+    if text.isascii():
+        return text
+    text = "".join(str(unicodedata.decimal(char)) if char.isdecimal() else char for char in text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} has an invalid layer character {text[error.start]!r}") from None
+    return text
+
+
 def _layer_char(layer_type: Any) -> str:
     """'t' for "decoder", "t" or megatron's LayerType.decoder (anything with that .name)."""
     name = getattr(layer_type, "name", layer_type)
@@ -73,13 +99,13 @@ def _current_pp_rank() -> int:
     if parallel_state is None:
         raise ValueError("pp_rank must be given: megatron.core.parallel_state is not loaded")
     try:
-        return check_int(parallel_state.get_pipeline_model_parallel_rank(), "pp_rank", min_value=0)
+        return _check_int(parallel_state.get_pipeline_model_parallel_rank(), "pp_rank", min_value=0)
     except (AssertionError, RuntimeError, AttributeError) as error:
         raise ValueError(f"pp_rank must be given: Megatron's parallel state is not initialized ({error})") from None
 
 
 def _optional_int(value: Any, name: str, *, min_value: int | None = None) -> Optional[int]:
-    return None if value is None else check_int(value, name, min_value=min_value)
+    return None if value is None else _check_int(value, name, min_value=min_value)
 
 
 def _plan_dict(counts: np.ndarray, offsets: np.ndarray, pp: int) -> Plan:
@@ -103,10 +129,11 @@ class PipelineLayout:
     __slots__ = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "stages", "_counts")
 
     def __init__(self, stages: Sequence[str], pipeline_model_parallel_size: int):
-        pp = check_int(pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
+        pp = _check_int(pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
         if isinstance(stages, str) or not isinstance(stages, Sequence):
             raise TypeError(f"stages must be a sequence of stage strings (got {type(stages).__name__})")
-        stage_list = [str(stage) if isinstance(stage, str) else _stage_from_types(stage, i) for i, stage in enumerate(stages)]
+        stage_list = [_layout_text(str(stage), f"stages[{i}]") if isinstance(stage, str) else _stage_from_types(stage, i)
+                      for i, stage in enumerate(stages)]
         _core.pipeline_layout_counts(stage_list, pp, "t")  # checks characters and the pp multiple
         self.pipeline_model_parallel_size = pp
         self.virtual_pipeline_model_parallel_size = len(stage_list) // pp
@@ -140,8 +167,8 @@ class PipelineLayout:
         """
         if not isinstance(layout, str):
             raise TypeError(f"layout must be a str (got {type(layout).__name__})")
-        pp = check_int(pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
-        parsed = cls._parse(layout, pp)
+        pp = _check_int(pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
+        parsed = cls._parse(_layout_text(layout, "layout"), pp)
         if validate:
             parsed.validate(num_layers, mtp_num_layers, check_counts=num_layers is not None)
         return parsed
@@ -156,8 +183,8 @@ class PipelineLayout:
         """From a ``megatron.core...PipelineParallelLayerLayout`` (its 2-D ``layout[pp][vpp]``)."""
         if not all(hasattr(layout, f) for f in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "layout")):
             raise TypeError(f"layout must be a megatron PipelineParallelLayerLayout (got {type(layout).__name__})")
-        pp = check_int(layout.pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
-        vpp = check_int(layout.virtual_pipeline_model_parallel_size, "virtual_pipeline_model_parallel_size", min_value=1)
+        pp = _check_int(layout.pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
+        vpp = _check_int(layout.virtual_pipeline_model_parallel_size, "virtual_pipeline_model_parallel_size", min_value=1)
         rows = layout.layout
         return cls([_stage_from_types(rows[c % pp][c // pp], c) for c in range(pp * vpp)], pp)
 
@@ -171,7 +198,7 @@ class PipelineLayout:
 
     def _chunk(self, vp_stage: Any, pp_rank: Any) -> int:
         pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
-        pp_rank = _current_pp_rank() if pp_rank is None else check_int(pp_rank, "pp_rank")
+        pp_rank = _current_pp_rank() if pp_rank is None else _check_int(pp_rank, "pp_rank")
         if not 0 <= pp_rank < pp:
             raise ValueError(f"pp_rank must be in [0, {pp}) (got {pp_rank})")
         if vp_stage is None:
@@ -180,7 +207,7 @@ class PipelineLayout:
                     f"vp_stage must be passed if virtual pipeline is enabled (the layout has vpp={vpp})"
                 )
             vp_stage = 0
-        vp_stage = check_int(vp_stage, "vp_stage")
+        vp_stage = _check_int(vp_stage, "vp_stage")
         if not 0 <= vp_stage < vpp:
             raise ValueError(f"vp_stage must be in [0, {vpp}) (got {vp_stage})")
         return vp_stage * pp + pp_rank
@@ -269,8 +296,8 @@ def _read_config(config: Any) -> tuple:
 
     if not hasattr(config, "num_layers"):
         raise TypeError(f"config must have a num_layers field like a TransformerConfig (got {type(config).__name__})")
-    num_layers = check_int(field("num_layers"), "config.num_layers", min_value=0)
-    pp = check_int(field("pipeline_model_parallel_size", 1), "config.pipeline_model_parallel_size", min_value=1)
+    num_layers = _check_int(field("num_layers"), "config.num_layers", min_value=0)
+    pp = _check_int(field("pipeline_model_parallel_size", 1), "config.pipeline_model_parallel_size", min_value=1)
     vpp = _optional_int(field("virtual_pipeline_model_parallel_size"), "config.virtual_pipeline_model_parallel_size", min_value=1)
     first = _optional_int(field("num_layers_in_first_pipeline_stage"), "config.num_layers_in_first_pipeline_stage")
     last = _optional_int(field("num_layers_in_last_pipeline_stage"), "config.num_layers_in_last_pipeline_stage")
@@ -350,7 +377,7 @@ def _rank_values(config: Any, vp_stage: Any, pp_rank: Any) -> tuple[int, Optiona
         return layout.num_layers_to_build("t", vp_stage, pp_rank), (
             layout.layer_offset("t", vp_stage, pp_rank) if spec[1] > 1 else 0
         )
-    pp_rank = _current_pp_rank() if pp_rank is None else check_int(pp_rank, "pp_rank")
+    pp_rank = _current_pp_rank() if pp_rank is None else _check_int(pp_rank, "pp_rank")
     vp_stage = _optional_int(vp_stage, "vp_stage")
     try:
         return _core.pipeline_megatron_rank(*_megatron_args(spec), pp_rank, vp_stage)
@@ -473,8 +500,8 @@ def plan_layers(
         tile ``range(num_layers)`` exactly once, in order.
     """
     check_choice(method, "method", _METHODS)
-    num_layers = check_int(num_layers, "num_layers", min_value=0)
-    pp = check_int(pp, "pp", min_value=1)
+    num_layers = _check_int(num_layers, "num_layers", min_value=0)
+    pp = _check_int(pp, "pp", min_value=1)
     vpp = _optional_int(vpp, "vpp", min_value=1)
     first = _optional_int(num_layers_in_first_pipeline_stage, "num_layers_in_first_pipeline_stage")
     last = _optional_int(num_layers_in_last_pipeline_stage, "num_layers_in_last_pipeline_stage")
@@ -509,6 +536,8 @@ def _plan_counts(plan: Any, pp: int, vpp: int) -> np.ndarray:
     """Per-chunk layer counts of a plan, after checking it tiles its layers exactly once in order."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"plan must be a dict {{(pp_rank, vp_stage): range}} (got {type(plan).__name__})")
+    if pp * vpp > _MAX_CHUNKS:  # before the set of every (pp_rank, vp_stage) below
+        raise ValueError(f"pp times vpp must be <= 2^22 (got pp={pp}, vpp={vpp})")
     expected = {(p, v) for v in range(vpp) for p in range(pp)}
     keys = set(plan.keys())
     if keys != expected:
@@ -525,7 +554,7 @@ def _plan_counts(plan: Any, pp: int, vpp: int) -> np.ndarray:
         if not isinstance(layers, range):
             if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
                 raise TypeError(f"plan[{key}] must be a range of layer ids (got {type(layers).__name__})")
-            ids = [check_int(x, f"plan[{key}] layer id") for x in layers]
+            ids = [_check_int(x, f"plan[{key}] layer id") for x in layers]
             if ids and ids != list(range(ids[0], ids[0] + len(ids))):
                 raise ValueError(f"plan[{key}] must hold consecutive layer ids (got {ids[:8]})")
             layers = range(ids[0], ids[0] + len(ids)) if ids else range(0)
@@ -545,8 +574,8 @@ def _plan_counts(plan: Any, pp: int, vpp: int) -> np.ndarray:
 def to_layout_str(plan: Any, pp: int, vpp: int | None = None) -> str:
     """The Megatron ``--pipeline-model-parallel-layout`` string of a plan (E on the first chunk, L
     on the last), e.g. ``'Ett|tt|tt|tL'``."""
-    pp = check_int(pp, "pp", min_value=1)
-    vpp = check_int(1 if vpp is None else vpp, "vpp", min_value=1)
+    pp = _check_int(pp, "pp", min_value=1)
+    vpp = _check_int(1 if vpp is None else vpp, "vpp", min_value=1)
     counts = _plan_counts(plan, pp, vpp)
     return _core.pipeline_plan_to_layout_str(counts, pp, vpp)
 
@@ -620,8 +649,8 @@ def balanced_layout(
         :class:`BalancedLayout`, unpackable as ``plan, layout_str``; pass ``layout_str`` to Megatron's
         ``--pipeline-model-parallel-layout``.
     """
-    pp = check_int(pp, "pp", min_value=1)
-    vpp = check_int(vpp, "vpp", min_value=1)
+    pp = _check_int(pp, "pp", min_value=1)
+    vpp = _check_int(vpp, "vpp", min_value=1)
     costs = as_array(layer_costs, "layer_costs", np.float64, kind="float")
     embedding_cost = _check_cost(embedding_cost, "embedding_cost")
     loss_cost = _check_cost(loss_cost, "loss_cost")
@@ -643,8 +672,8 @@ def chunk_costs(plan: Any, layer_costs: Any, pp: int, vpp: int | None = None, *,
     """(per-chunk costs in global order, per-stage costs) of any plan: layer costs added in order in
     float64, ``embedding_cost`` first on chunk (0, 0), ``loss_cost`` last on the last chunk (as
     :func:`balanced_layout`, whose chunks are never empty)."""
-    pp = check_int(pp, "pp", min_value=1)
-    vpp = check_int(1 if vpp is None else vpp, "vpp", min_value=1)
+    pp = _check_int(pp, "pp", min_value=1)
+    vpp = _check_int(1 if vpp is None else vpp, "vpp", min_value=1)
     counts = _plan_counts(plan, pp, vpp)
     cost_arr = as_array(layer_costs, "layer_costs", np.float64, kind="float")
     if int(counts.sum()) != cost_arr.shape[0]:
