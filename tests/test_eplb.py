@@ -490,6 +490,32 @@ def test_patch_module_with_deepseek_api():
     assert module.rebalance_experts is ref.rebalance_experts and not integration.is_patched(module)
 
 
+def test_patch_follows_the_module_not_its_name():
+    from trainfast.integrations import eplb as integration
+
+    def user_module():
+        module = types.ModuleType("user_eplb")
+        for name in ("balanced_packing", "replicate_experts", "rebalance_experts_hierarchical", "rebalance_experts"):
+            setattr(module, name, getattr(ref, name))
+        return module
+
+    first, second = user_module(), user_module()  # two modules, one name
+    try:
+        integration.patch(first)
+        integration.patch(second)
+        assert second.rebalance_experts is not ref.rebalance_experts and integration.is_patched(second)
+        for name in integration.FUNCTIONS:  # as importlib.reload does: upstream's functions again
+            setattr(second, name, getattr(ref, name))
+        assert not integration.is_patched(second)
+        integration.patch(second)
+        assert second.rebalance_experts is not ref.rebalance_experts
+        integration.unpatch(first)
+        assert first.rebalance_experts is ref.rebalance_experts and integration.is_patched(second)
+    finally:
+        integration.unpatch()
+    assert second.rebalance_experts is ref.rebalance_experts and not integration.is_patched()
+
+
 # --- torch.library custom op -------------------------------------------------------------------------------
 
 

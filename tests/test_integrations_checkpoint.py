@@ -54,6 +54,32 @@ def test_megatron_patch_is_identical_and_reversible(megatron_fs):
     assert not megatron_integration.is_patched()
 
 
+def test_patch_after_reload_and_from_many_threads():
+    import threading
+
+    torch_fs = importlib.import_module("torch.distributed.checkpoint.filesystem")
+    upstream = torch_fs._split_by_size_and_type
+    try:
+        torch_dcp_integration.patch()
+        torch_fs._split_by_size_and_type = upstream  # what importlib.reload(torch_fs) does to it
+        assert not torch_dcp_integration.is_patched()
+        torch_dcp_integration.patch()
+        assert torch_fs._split_by_size_and_type.__trainfast_original__ is upstream
+        torch_dcp_integration.unpatch()
+        assert torch_fs._split_by_size_and_type is upstream
+        for _ in range(20):  # concurrent patch() calls must record upstream's function, never ours
+            threads = [threading.Thread(target=torch_dcp_integration.patch) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            torch_dcp_integration.unpatch()
+            assert torch_fs._split_by_size_and_type is upstream
+    finally:
+        torch_dcp_integration.unpatch()
+        torch_fs._split_by_size_and_type = upstream
+
+
 def test_megatron_writer_looks_the_function_up_at_call_time(megatron_fs):
     # patch() replaces the module attribute, so the writer must call it through the module globals.
     source = importlib.import_module("inspect").getsource(megatron_fs.FileSystemWriterAsync.prepare_write_data)

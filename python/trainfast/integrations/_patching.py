@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +39,23 @@ class Target:
     required: bool = True
 
 
+_MISSING = object()
+
+
 @dataclass
 class Patcher:
-    """Replaces module attributes and restores them; idempotent in both directions."""
+    """Replaces module attributes and restores them; idempotent in both directions, thread-safe.
+
+    A target counts as patched only while our replacement is what the module holds: after
+    ``importlib.reload`` (or another library's reassignment) ``patch()`` patches it again.
+    ``unpatch()`` puts back the last original recorded, whatever wraps ours by then.
+    """
 
     package: str
     targets: list[Target] = field(default_factory=list)
-    _originals: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # (module, attribute) -> (the original, the object we installed in its place)
+    _patched: dict[tuple[str, str], tuple[Any, Any]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, module: str, attribute: str, make_replacement: Callable, *, required: bool = True) -> None:
         self.targets.append(Target(module, attribute, make_replacement, required))
@@ -53,6 +65,10 @@ class Patcher:
 
         Raises ImportError when a required module cannot be imported (nothing is patched then).
         """
+        with self._lock:
+            return self._patch_locked()
+
+    def _patch_locked(self) -> list[str]:
         resolved = []
         for target in self.targets:
             try:
@@ -77,7 +93,7 @@ class Patcher:
         patched = []
         for target, module in resolved:
             key = (target.module, target.attribute)
-            if key not in self._originals:
+            if not self._is_ours(key):
                 owner, name = _resolve_owner(module, target.attribute)
                 original = _raw_attribute(owner, name)
                 wrapper = type(original) if isinstance(original, (classmethod, staticmethod)) else None
@@ -85,17 +101,33 @@ class Patcher:
                 replacement = target.make_replacement(function)
                 functools.update_wrapper(replacement, function)
                 replacement.__trainfast_original__ = function
-                self._originals[key] = original
-                setattr(owner, name, wrapper(replacement) if wrapper is not None else replacement)
+                installed = wrapper(replacement) if wrapper is not None else replacement
+                self._patched[key] = (original, installed)
+                setattr(owner, name, installed)
             patched.append(f"{target.module}.{target.attribute}")
         logger.info("patched %s", ", ".join(patched))
         return patched
 
     def unpatch(self) -> None:
-        for (module_name, attribute), original in self._originals.items():
-            owner, name = _resolve_owner(importlib.import_module(module_name), attribute)
-            setattr(owner, name, original)
-        self._originals.clear()
+        with self._lock:
+            for (module_name, attribute), (original, _) in self._patched.items():
+                owner, name = _resolve_owner(importlib.import_module(module_name), attribute)
+                setattr(owner, name, original)
+            self._patched.clear()
 
     def is_patched(self) -> bool:
-        return bool(self._originals)
+        with self._lock:
+            return any(self._is_ours(key) for key in self._patched)
+
+    def _current(self, key: tuple[str, str]) -> Any:
+        module = sys.modules.get(key[0])
+        if module is None:
+            return _MISSING
+        try:
+            owner, name = _resolve_owner(module, key[1])
+            return _raw_attribute(owner, name)
+        except AttributeError:
+            return _MISSING
+
+    def _is_ours(self, key: tuple[str, str]) -> bool:
+        return key in self._patched and self._current(key) is self._patched[key][1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -30,8 +31,10 @@ KNOWN_MODULES = (
     "eplb",
 )
 
-# module name -> (module, {function name: original})
-_originals: dict[str, tuple[ModuleType, dict[str, Any]]] = {}
+# module -> {function name: (the original, our replacement)}; keyed by the module object, as two
+# modules can share a name. A function counts as patched while the module still holds ours.
+_patched: dict[ModuleType, dict[str, tuple[Any, Any]]] = {}
+_lock = threading.Lock()
 
 
 def _resolve(module: ModuleType | str | None) -> ModuleType:
@@ -69,34 +72,38 @@ def _replacement(name: str, original: Any) -> Any:
 def patch(module: ModuleType | str | None = None) -> list[str]:
     """Replaces DeepSeek's EPLB functions found in ``module``; returns the ``module.name`` replaced.
 
-    Raises ImportError when the module has no ``rebalance_experts``. Idempotent.
+    Raises ImportError when the module has no ``rebalance_experts``. Idempotent; after
+    ``importlib.reload(module)`` it patches the reloaded functions.
     """
     target = _resolve(module)
     if not hasattr(target, "rebalance_experts"):
         raise ImportError(f"{target.__name__} has no rebalance_experts (not DeepSeek's EPLB API)")
-    saved = _originals.setdefault(target.__name__, (target, {}))[1]
-    patched = []
-    for name in FUNCTIONS:
-        if not hasattr(target, name):
-            continue
-        if name not in saved:
-            saved[name] = getattr(target, name)
-            setattr(target, name, _replacement(name, saved[name]))
-        patched.append(f"{target.__name__}.{name}")
+    with _lock:
+        saved = _patched.setdefault(target, {})
+        patched = []
+        for name in FUNCTIONS:
+            if not hasattr(target, name):
+                continue
+            if name not in saved or getattr(target, name) is not saved[name][1]:
+                original = getattr(target, name)
+                saved[name] = (original, _replacement(name, original))
+                setattr(target, name, saved[name][1])
+            patched.append(f"{target.__name__}.{name}")
     logger.info("patched %s", ", ".join(patched))
     return patched
 
 
 def unpatch(module: ModuleType | str | None = None) -> None:
     """Restores the functions ``patch`` replaced (all patched modules when ``module`` is None)."""
-    names = [_resolve(module).__name__] if module is not None else list(_originals)
-    for module_name in names:
-        target, saved = _originals.pop(module_name, (None, {}))
-        for name, original in saved.items():
-            setattr(target, name, original)
+    with _lock:
+        targets = [_resolve(module)] if module is not None else list(_patched)
+        for target in targets:
+            for name, (original, _) in _patched.pop(target, {}).items():
+                setattr(target, name, original)
 
 
 def is_patched(module: ModuleType | str | None = None) -> bool:
-    if module is None:
-        return bool(_originals)
-    return _resolve(module).__name__ in _originals
+    with _lock:
+        targets = list(_patched) if module is None else [_resolve(module)]
+        return any(getattr(target, name, None) is ours
+                   for target in targets for name, (_, ours) in _patched.get(target, {}).items())
