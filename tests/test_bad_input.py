@@ -7,6 +7,7 @@ current.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -703,3 +704,48 @@ def test_readme_lists_the_current_matrix():
 
 if __name__ == "__main__":
     sys.stdout.write(matrix_markdown())
+
+
+def test_cli_eplb_checks_before_printing_or_working(tmp_path):
+    import contextlib
+    import io
+
+    from trainfast.cli import main
+
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    for argv, match in [(["--nodes", "0"], "--nodes must be >= 1"), (["--groups", "0"], "--groups must be >= 1"),
+                        (["--save", str(tmp_path / "no_dir" / "plan.pt")], "does not exist"),
+                        (["--save", str(tmp_path)], "is a directory"),
+                        (["--replicas", "7"], "num_replicas must be a multiple"),
+                        ([str(empty)], "empty.csv' is malformed: no numbers")]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            assert main(["eplb", *argv]) == 2
+        assert out.getvalue() == "", argv  # no header that reads like a result
+        with pytest.raises(ValueError, match=match):
+            _cli("eplb", *argv)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.csv"]
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    from trainfast._util import write_atomic
+
+    old_mask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "new.txt", "x")
+        assert (tmp_path / "new.txt").stat().st_mode & 0o777 == 0o644  # mkstemp alone gives 0600
+        (tmp_path / "kept.txt").write_text("old")
+        os.chmod(tmp_path / "kept.txt", 0o640)
+        write_atomic(tmp_path / "kept.txt", "new")
+        assert (tmp_path / "kept.txt").stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old_mask)
+
+
+def test_cli_output_into_a_closed_pipe_is_quiet():
+    import subprocess
+
+    script = f"{sys.executable} -m trainfast.cli pipeline --pp 5000 --num-layers 5000 | head -1"
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert result.stdout.startswith("pp rank") and result.stderr == ""

@@ -410,7 +410,7 @@ def test_from_files_round_trips_saved_tokenizer(tmp_path, small):
     assert json.loads((tmp_path / "vocab.json").read_text(encoding="utf-8"))
 
 
-def test_cli_encode_and_export(shared_dir, tmp_path, small):
+def test_cli_encode_and_export(shared_dir, tmp_path, small, capsys):
     import tokenizers
 
     from trainfast.bpe import save
@@ -423,6 +423,11 @@ def test_cli_encode_and_export(shared_dir, tmp_path, small):
                  "--out", str(tmp_path / "ids.npy")]) == 0
     expected = ReferenceTokenizer(vocab, merges, [EOT]).encode(text_path.read_text(encoding="utf-8"))
     assert np.load(tmp_path / "ids.npy").tolist() == expected
+    # Without ".npy" np.save appends it: the message names the file really written.
+    assert main(["bpe", "encode", str(text_path), "--tokenizer", str(tmp_path / "tok"), "--special-token", EOT,
+                 "--out", str(tmp_path / "ids2"), "--no-progress"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"-> {tmp_path / 'ids2.npy'}")
+    assert np.load(tmp_path / "ids2.npy").tolist() == expected
     assert main(["bpe", "export", "--tokenizer", str(tmp_path / "tok"), "--special-token", EOT,
                  "--hf", str(tmp_path / "tokenizer.json")]) == 0
     hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

@@ -79,6 +79,19 @@ def test_vector_bucket_size_split_and_default_layout():
     ]
 
 
+@pytest.mark.parametrize("bucket_size", [2**63 - 1, 2**63, 10**30])
+def test_bucket_size_past_any_buffer_is_none(bucket_size):
+    numels, shared = [5000, 3, 700, 5000], [True, False, False, True]
+    for options in ({}, {"use_distributed_optimizer": False}, {"pad_buckets_for_high_nccl_busbw": True}):
+        huge = buckets.plan_layout(numels, bucket_size=bucket_size, shared_embedding=shared,
+                                   data_parallel_world_size=4, **options)
+        none = buckets.plan_layout(numels, bucket_size=None, shared_embedding=shared, data_parallel_world_size=4,
+                                   **options)
+        for field in ("param_start", "param_end", "bucket_id", "bucket_indices", "per_bucket_numel_unpadded"):
+            assert torch.equal(getattr(huge, field), getattr(none, field)), field
+        assert (huge.numel, huge.numel_unpadded) == (none.numel, none.numel_unpadded)
+
+
 def test_vector_shared_embeddings():
     layout = buckets.plan_layout([1000, 100, 1000, 1000], shared_embedding=[True, False, False, True],
                                  data_parallel_world_size=4)
@@ -614,6 +627,10 @@ def test_cli_bad_input(tmp_path, capsys):
 
     assert main(["buckets", "--model", "gpt", "--dp", "0"]) == 2
     assert main(["buckets", "--model", "gpt", "--bucket-size", "-4"]) == 2
+    capsys.readouterr()
+    # Past int64 no bucket ever closes: the plan is bucket_size=None's (as upstream's), no error.
+    assert main(["buckets", "--model", "gpt", "--layers", "2", "--dp", "8", "--bucket-size", "1e19"]) == 0
+    assert "23 params in 3 buckets" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
     bad.write_text('[{"name": "x"}]')
     assert main(["buckets", "--model", str(bad)]) == 2

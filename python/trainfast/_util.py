@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import os
+import stat
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,19 @@ def to_tensor(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask would, for every thread, for a moment)
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Any, data: bytes | str) -> None:
     """Writes ``data`` to ``path`` through a temp file in the same directory and a rename, so readers
     never see a half-written file (str is written as UTF-8 with "\n" newlines)."""
@@ -131,8 +145,13 @@ def write_atomic(path: Any, data: bytes | str) -> None:
 
     path = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:  # the mode a plain open() would give (mkstemp's is 0600): a replaced file's, else 0666 - umask
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()

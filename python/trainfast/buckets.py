@@ -121,7 +121,9 @@ def default_bucket_size(data_parallel_world_size: int) -> int:
 def _check_bucket_size(bucket_size: Any) -> int | None:
     if bucket_size is None:
         return None
-    return check_int(bucket_size, "bucket_size", min_value=1)
+    bucket_size = check_int(bucket_size, "bucket_size", min_value=1)
+    # A buffer holds under 2^63 elements, so such a size never closes a bucket: exactly None.
+    return None if bucket_size >= 2**63 else bucket_size
 
 
 @dataclass

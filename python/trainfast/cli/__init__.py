@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
+import signal
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -41,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return int(args.handler(args) or 0)
+    except BrokenPipeError:  # `trainfast ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush stays quiet
+        return 128 + signal.SIGPIPE
     except (ValueError, TypeError, OSError) as error:
         logging.getLogger("trainfast").error("trainfast %s: error: %s", args.command, error)
         return 2

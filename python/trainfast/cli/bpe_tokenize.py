@@ -165,9 +165,10 @@ def _encode_command(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - start
-    np.save(args.out, ids)
+    out = args.out if str(args.out).endswith(".npy") else f"{args.out}.npy"  # the name np.save writes
+    np.save(out, ids)
     print(f"bpe encode: {len(ids):,} tokens from {size / 1e6:.1f} MB in {seconds:.2f} s "
-          f"({size / 1e6 / max(seconds, 1e-9):.1f} MB/s) -> {args.out}")
+          f"({size / 1e6 / max(seconds, 1e-9):.1f} MB/s) -> {out}")
     return 0
 
 

@@ -138,12 +138,18 @@ def _bucket_size(text: str) -> Any:
     if text.lower() == "none":
         return None
     try:
-        value = float(text)
+        value = int(text)  # exact, however large; "4e7" goes through float below
     except ValueError:
-        raise ValueError(f"--bucket-size must be a number, 'none' or 'default' (got {text!r})") from None
-    if not value.is_integer() or value <= 0:
+        try:
+            as_float = float(text)
+        except ValueError:
+            raise ValueError(f"--bucket-size must be a number, 'none' or 'default' (got {text!r})") from None
+        if not as_float.is_integer():
+            raise ValueError(f"--bucket-size must be a positive whole number (got {text!r})") from None
+        value = int(as_float)
+    if value <= 0:
         raise ValueError(f"--bucket-size must be a positive whole number (got {text!r})")
-    return int(value)
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

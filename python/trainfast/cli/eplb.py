@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import io
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
-from trainfast._util import check_int
+from trainfast._util import check_int, write_atomic
 
 _NAME = "eplb"
 logger = logging.getLogger("trainfast.cli.eplb")
@@ -56,7 +58,11 @@ def load_loads(path: str) -> Any:
         elif suffix == ".npy":
             value = torch.from_numpy(np.load(path, allow_pickle=False))
         else:
-            value = torch.from_numpy(np.atleast_2d(np.loadtxt(path, delimiter=",")))
+            with warnings.catch_warnings():  # an empty file: numpy warns on stderr; we raise below
+                warnings.simplefilter("ignore", UserWarning)
+                value = torch.from_numpy(np.atleast_2d(np.loadtxt(path, delimiter=",")))
+            if value.numel() == 0:
+                raise ValueError("no numbers in it")
     except OSError:
         raise  # names the file already
     except (ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
@@ -104,8 +110,15 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
     from trainfast import eplb
 
     gpus = check_int(gpus, "--gpus", min_value=1)
+    groups = check_int(groups, "--groups", min_value=1)
+    nodes = check_int(nodes, "--nodes", min_value=1)
     if plot:
         _figure_class()  # fail before any work when the optional dependency is missing
+    for option, out in (("--save", save), ("--plot", plot)):  # fail before the work, not after it
+        if out and Path(out).is_dir():
+            raise IsADirectoryError(f"{option} {out!r} is a directory (give a file path)")
+        if out and not Path(out).resolve().parent.is_dir():
+            raise FileNotFoundError(f"{option} {out!r}: directory {str(Path(out).resolve().parent)!r} does not exist")
     weight = load_loads(loads) if loads else synthetic_loads()
     if weight.dim() != 2:
         raise ValueError(f"loads must be 2-D [layers, experts] (got shape {tuple(weight.shape)})")
@@ -113,11 +126,11 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
     if replicas is None:
         replicas = -(-(num_experts + num_experts // 8) // gpus) * gpus
     policy = "hierarchical" if groups % nodes == 0 else "global"
+    kwargs = dict(tie_break=tie_break, avoid_gpu_duplicates=avoid_gpu_duplicates)
+    (phy2log, log2phy, logcnt), seconds = _timed(  # validates the arguments before anything is printed
+        lambda: eplb.rebalance_experts(weight, replicas, groups, nodes, gpus, **kwargs))
     print(f"eplb: {num_layers} layers x {num_experts} experts -> {replicas} replicas on {gpus} GPUs "
           f"({nodes} nodes, {groups} groups, {policy} policy, tie_break={tie_break})")
-    kwargs = dict(tie_break=tie_break, avoid_gpu_duplicates=avoid_gpu_duplicates)
-    (phy2log, log2phy, logcnt), seconds = _timed(
-        lambda: eplb.rebalance_experts(weight, replicas, groups, nodes, gpus, **kwargs))
     naive = _naive_gpu_loads(weight, gpus)
     after = eplb.gpu_loads(weight, phy2log, logcnt, gpus)
     mean = np.maximum(naive.mean(-1), 1e-30)
@@ -134,7 +147,9 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
     if save:
         import torch
 
-        torch.save({"phy2log": phy2log, "log2phy": log2phy, "logcnt": logcnt}, save)
+        buffer = io.BytesIO()
+        torch.save({"phy2log": phy2log, "log2phy": log2phy, "logcnt": logcnt}, buffer)
+        write_atomic(save, buffer.getvalue())
         print(f"  saved placement to {save}")
     if plot:
         _plot(plot, naive, after, None if refined is None else eplb.gpu_loads(weight, refined[0], refined[2], gpus))
@@ -159,7 +174,6 @@ def _plot(path: str, naive: Any, after: Any, refined: Any) -> None:
 
     import numpy as np
 
-    from trainfast._util import write_atomic
 
     num_gpus = naive.shape[1]
     fig = _figure_class()(figsize=(max(6.0, num_gpus * 0.25), 3.5))
