@@ -237,6 +237,23 @@ def test_encode_iterable_equals_encode(shared_dir, gpt2, monkeypatch, chunker):
     assert list(gpt2.encode_iterable(chunks)) == gpt2.encode(text)
 
 
+@pytest.mark.parametrize("line", ["12,345,6789\n", "3.14 2.72 1.41\n", "== ** ==\r\n"])
+def test_encode_iterable_holds_a_bounded_window_of_text_without_letters(gpt2, monkeypatch, line):
+    # Numbers and punctuation only: no "<space><letter>" to cut at, yet the window stays bounded.
+    monkeypatch.setattr(tokenizer_module, "_STREAM_CHARS", 256)
+    num_lines, consumed = 20_000, []
+
+    def lines():
+        for idx in range(num_lines):
+            consumed.append(idx)
+            yield line
+
+    stream = gpt2.encode_iterable(lines())
+    first = next(stream)
+    assert len(consumed) < 100, "nothing came out before most of the input was read"
+    assert [first, *stream] == gpt2.encode(line * num_lines)
+
+
 @given(pieces=st.lists(st.one_of(_texts, _any_text), max_size=20))
 def test_encode_iterable_hypothesis(gpt2, monkeypatch_module, pieces):
     assert list(gpt2.encode_iterable(pieces)) == gpt2.encode("".join(pieces))

@@ -401,7 +401,10 @@ void BpeEncoder::encode_with(std::string_view text, std::vector<uint32_t>& out, 
       size_t block_end = special_start;
       if (special_start - i > 2 * kBlockBytes) {
         block_end = i + kBlockBytes;
-        while (block_end < special_start && !regex_boundary(s + i, special_start - i, block_end - i)) ++block_end;
+        while (block_end < special_start && !regex_boundary(s + i, special_start - i, block_end - i) &&
+               !is_safe_cut(pattern_, s + i, block_end - i, special_start - i)) {
+          ++block_end;
+        }
       }
       ws.ends.clear();
       pretokenize(text.substr(i, block_end - i), pattern_, ws.ends);
@@ -468,7 +471,11 @@ size_t BpeEncoder::safe_cut(std::string_view text) const {
   if (n < reach + 3) return 0;
   // Every special token starting before the cut must end inside the text (n - reach).
   for (size_t p = n - reach - 1; p >= 2; --p) {
-    if (regex_boundary(s, n, p) && (specials_.empty() || !specials_.straddles(text, p))) return p;
+    // Text without letters (numbers, CSV) has no regex_boundary; a pre-token-safe cut serves too.
+    if ((regex_boundary(s, n, p) || is_safe_cut(pattern_, s, p, n)) &&
+        (specials_.empty() || !specials_.straddles(text, p))) {
+      return p;
+    }
   }
   return 0;
 }

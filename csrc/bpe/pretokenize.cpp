@@ -864,17 +864,18 @@ bool SpecialTokenMatcher::straddles(std::string_view text, size_t p) const {
   return false;
 }
 
+bool is_safe_cut(Pattern pattern, const uint8_t* s, size_t p, size_t n) {
+  switch (pattern) {
+    case Pattern::kGpt2: return is_safe_split<Pattern::kGpt2>(s, p, n);
+    case Pattern::kCl100k: return is_safe_split<Pattern::kCl100k>(s, p, n);
+    case Pattern::kO200k: return is_safe_split<Pattern::kO200k>(s, p, n);
+  }
+  return false;
+}
+
 std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern, const SpecialTokenMatcher& specials,
                                          Interrupt* interrupt) {
   constexpr size_t kPollBytes = size_t{1} << 22;
-  auto safe = [pattern](const uint8_t* s, size_t p, size_t n) {
-    switch (pattern) {
-      case Pattern::kGpt2: return is_safe_split<Pattern::kGpt2>(s, p, n);
-      case Pattern::kCl100k: return is_safe_split<Pattern::kCl100k>(s, p, n);
-      case Pattern::kO200k: return is_safe_split<Pattern::kO200k>(s, p, n);
-    }
-    return false;
-  };
   std::vector<Piece> pieces;
   std::vector<size_t> ends;
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
@@ -887,7 +888,7 @@ std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
       size_t p = n;
       if (n > 2 * kPollBytes) {
         p = kPollBytes;
-        while (p < n && !safe(s + begin, p, n)) ++p;
+        while (p < n && !is_safe_cut(pattern, s + begin, p, n)) ++p;
       }
       ends.clear();
       pretokenize_segment(s + begin, p, begin, pattern, ends);

@@ -54,6 +54,11 @@ class SpecialTokenMatcher {
   unsigned char only_first_byte_ = 0;
 };
 
+// Whether cutting s[0:n) at byte p (0 < p < n) leaves every pre-token unchanged:
+// findall(s) == findall(s[:p]) + findall(s[p:]). It reads only the characters at p-1 and p, so the
+// cut stays safe whatever text follows s[n-1] (streaming). The proof is at is_safe_split.
+bool is_safe_cut(Pattern pattern, const uint8_t* s, size_t p, size_t n);
+
 // Pre-tokens and special tokens of `text`, in order, as byte ranges.
 struct Piece {
   size_t begin;
