@@ -111,6 +111,16 @@ def test_serialization_round_trip(parts, tmp_path):
 # --- bad input -----------------------------------------------------------------------------------
 
 
+def test_pattern_spellings_add_up(parts):
+    from trainfast.bpe.pretokenize import PATTERNS
+
+    by_name = count_words(parts[:1], [EOT], pattern="cl100k", show_progress=False)
+    by_alias = count_words(parts[1:2], [EOT], pattern="cl100k_base", show_progress=False)
+    by_regex = count_words(parts[:1], [EOT], pattern=PATTERNS["cl100k"], show_progress=False)
+    assert by_regex == by_name
+    assert (by_name + by_alias).counts == count_words(parts[:2], [EOT], pattern="cl100k", show_progress=False).counts
+
+
 def test_mismatched_settings(parts):
     a = count_words(parts[:1], [EOT], show_progress=False)
     with pytest.raises(ValueError, match="different settings"):

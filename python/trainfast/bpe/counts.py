@@ -109,8 +109,8 @@ class WordCounts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, WordCounts):
             return NotImplemented
-        return (self._pattern, self._special_tokens, self._counts) == (other._pattern, other._special_tokens,
-                                                                       other._counts)
+        return (_pattern_key(self._pattern), self._special_tokens, self._counts) == \
+            (_pattern_key(other._pattern), other._special_tokens, other._counts)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -119,7 +119,7 @@ class WordCounts:
                 f"special_tokens={list(self._special_tokens)!r})")
 
     def _check_compatible(self, other: WordCounts) -> None:
-        if (self._pattern, self._special_tokens) != (other._pattern, other._special_tokens):
+        if (_pattern_key(self._pattern), self._special_tokens) != (_pattern_key(other._pattern), other._special_tokens):
             raise ValueError(
                 "cannot add WordCounts counted with different settings: "
                 f"pattern {self._pattern!r} special_tokens {list(self._special_tokens)!r} vs "
@@ -219,6 +219,14 @@ class WordCounts:
     def load(cls, path: PathLike) -> WordCounts:
         path = Path(path)
         return cls.from_bytes(path.read_bytes(), source=f"counts file {str(path)!r}")
+
+
+def _pattern_key(pattern: str) -> str:
+    """One spelling per pre-tokenizer: "cl100k_base", "cl100k" and its regex count alike."""
+    from trainfast.bpe.pretokenize import _ALIASES, PATTERNS
+
+    name = _ALIASES.get(pattern, pattern)
+    return next((known for known, text in PATTERNS.items() if text == pattern), name)
 
 
 def _add_into(out: dict[bytes, int], other: dict[bytes, int]) -> None:
