@@ -5,7 +5,8 @@ optimizer's range builders (``DistributedOptimizer._build_model_gbuf_range`` /
 ``_build_model_gbuf_param_range_map``), plus the layout functions of newer releases
 (``group_params_for_buffers``, ``_compute_default_per_buffer_param_layout``,
 ``DistributedOptimizer._compute_per_buffer_param_layout`` / ``compute_full_param_layout``) where the
-installed megatron-core has them.
+installed megatron-core has them; and the pipeline layer split (``get_num_layers_to_build``,
+``get_transformer_layer_offset``, validated: a split Megatron would build wrongly raises).
 
 >>> from trainfast.integrations import megatron
 >>> megatron.patch()    # doctest: +SKIP
