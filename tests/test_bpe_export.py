@@ -164,8 +164,10 @@ def test_hf_refuses_specials_it_cannot_hold(tmp_path):
     with pytest.raises(ValueError, match=r"special_tokens\[0\] = 'éé' would decode as other bytes"):
         to_hf_tokenizer_json({**_byte_vocab(), 256: "éé".encode()}, [], ["éé"], tmp_path / "t.json")
     vocab = {**_byte_vocab(), 256: b" b", 257: b"a b"}
-    with pytest.raises(ValueError, match=r"special_tokens\[0\] = 'a b' is also made by a merge"):
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] = 'a b' is also in a merge, spelled 'aĠb' there"):
         to_hf_tokenizer_json(vocab, [(b" ", b"b"), (b"a", b" b")], ["a b"], tmp_path / "t.json")
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] = '\\n' is also in a merge, spelled 'Ċ' there"):
+        to_hf_tokenizer_json({**_byte_vocab(), 256: b"\n\n"}, [(b"\n", b"\n")], ["\n"], tmp_path / "t.json")
     assert not (tmp_path / "t.json").exists()
 
 

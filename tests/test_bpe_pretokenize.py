@@ -373,6 +373,8 @@ def test_count_inputs_forms(tmp_path):
     assert count_pretokens([str(a), str(b)]) == both  # a list of str is a list of paths
     with pytest.raises(FileNotFoundError, match=r"read as file paths: pass documents as iter\(texts\)"):
         count_pretokens(["not a path, a document"])
+    with pytest.raises(FileNotFoundError, match=r"directory: '.*missing.txt'$"):  # no hint for Path objects
+        count_pretokens([a, tmp_path / "missing.txt"])
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     assert count_pretokens(empty) == {}

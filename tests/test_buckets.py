@@ -630,7 +630,10 @@ def test_cli_bad_input(tmp_path, capsys):
     capsys.readouterr()
     # Past int64 no bucket ever closes: the plan is bucket_size=None's (as upstream's), no error.
     assert main(["buckets", "--model", "gpt", "--layers", "2", "--dp", "8", "--bucket-size", "1e19"]) == 0
-    assert "23 params in 3 buckets" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "23 params in 3 buckets" in out and "bucket_size=10000000000000000000" not in out
+    assert main(["buckets", "--model", "gpt", "--layers", "2", "--param-bytes", "-1"]) == 2
+    assert capsys.readouterr().out == ""  # checked before the header is printed
     bad = tmp_path / "bad.json"
     bad.write_text('[{"name": "x"}]')
     assert main(["buckets", "--model", str(bad)]) == 2

@@ -306,6 +306,8 @@ def test_bad_byte_sizes_in_refined_balance():
         object.__setattr__(blob.bytes_io_data, "nbytes", nbytes)
         with pytest.raises(error, match=r"items\[0\]\.bytes_io_data\.nbytes " + match):
             checkpoint.split_by_size_and_type(2, [blob, tensor_item("t", (4,))], balance="refined")
+    object.__setattr__(blob.bytes_io_data, "nbytes", np.int64(4096))  # NumPy ints count, as in shapes
+    assert checkpoint.write_item_sizes([blob], count_bytes=True)[1].tolist() == [4096]
 
 
 def _with_chunk(item, sizes):

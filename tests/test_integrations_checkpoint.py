@@ -54,17 +54,41 @@ def test_megatron_patch_is_identical_and_reversible(megatron_fs):
     assert not megatron_integration.is_patched()
 
 
-def test_patch_after_reload_and_from_many_threads():
+def _reloaded_copy(function):
+    """What importlib.reload puts in a module: a new function object with the same name and module."""
+    import types
+
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__qualname__, copy.__kwdefaults__ = function.__qualname__, function.__kwdefaults__
+    return copy
+
+
+def test_patch_after_reload_wrappers_and_many_threads():
+    import functools
     import threading
 
     torch_fs = importlib.import_module("torch.distributed.checkpoint.filesystem")
     upstream = torch_fs._split_by_size_and_type
     try:
         torch_dcp_integration.patch()
-        torch_fs._split_by_size_and_type = upstream  # what importlib.reload(torch_fs) does to it
+        fresh = torch_fs._split_by_size_and_type = _reloaded_copy(upstream)  # importlib.reload(torch_fs)
         assert not torch_dcp_integration.is_patched()
+        torch_dcp_integration.patch()  # patches the reloaded copy
+        assert torch_fs._split_by_size_and_type.__trainfast_original__ is fresh
+        torch_dcp_integration.unpatch()
+        assert torch_fs._split_by_size_and_type is fresh
         torch_dcp_integration.patch()
-        assert torch_fs._split_by_size_and_type.__trainfast_original__ is upstream
+        torch_fs._split_by_size_and_type = _reloaded_copy(fresh)
+        torch_dcp_integration.unpatch()  # leaves the newer copy, not the stale function
+        assert torch_fs._split_by_size_and_type is not fresh
+        torch_fs._split_by_size_and_type = upstream
+        # Another library wraps ours: patch() again is a no-op, unpatch() restores upstream's function.
+        torch_dcp_integration.patch()
+        ours = torch_fs._split_by_size_and_type
+        torch_fs._split_by_size_and_type = functools.partial(ours)
+        torch_dcp_integration.patch()
+        assert torch_fs._split_by_size_and_type.func is ours and torch_dcp_integration.is_patched()
         torch_dcp_integration.unpatch()
         assert torch_fs._split_by_size_and_type is upstream
         for _ in range(20):  # concurrent patch() calls must record upstream's function, never ours

@@ -55,6 +55,7 @@ std::vector<int64_t> read_ids(const py::handle& ids) {
   // A tuple snapshot: an item's __index__ may run Python code that changes the caller's list.
   PyObject* seq = PySequence_Tuple(ids.ptr());
   if (seq == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();  // Ctrl-C, MemoryError
     PyErr_Clear();
     throw py::type_error("ids must be a sequence of int (got " +
                          std::string(py::str(py::type::handle_of(ids).attr("__name__"))) + ")");
@@ -67,7 +68,10 @@ std::vector<int64_t> read_ids(const py::handle& ids) {
     py::object as_int;
     if (!PyLong_Check(item) && !PyBool_Check(item) && PyIndex_Check(item)) {
       as_int = py::reinterpret_steal<py::object>(PyNumber_Index(item));
-      if (!as_int) PyErr_Clear();
+      if (!as_int) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+        PyErr_Clear();
+      }
     }
     PyObject* value = PyLong_Check(item) ? item : as_int.ptr();
     if (value == nullptr || PyBool_Check(item)) {

@@ -38,7 +38,10 @@ FlatWords read_word_counts(const py::dict& word_counts) {
     if (!PyLong_Check(value) && !PyBool_Check(value) && PyIndex_Check(value)) {
       const Py_ssize_t size_before = PyDict_GET_SIZE(word_counts.ptr());
       as_int = py::reinterpret_steal<py::object>(PyNumber_Index(value));
-      if (!as_int) PyErr_Clear();
+      if (!as_int) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();  // Ctrl-C, MemoryError
+        PyErr_Clear();
+      }
       if (PyDict_GET_SIZE(word_counts.ptr()) != size_before) {
         throw std::runtime_error("dictionary changed size during iteration");
       }

@@ -39,9 +39,12 @@ std::shared_ptr<eplb::Replication> replicate(const CArray<float>& weight, int64_
   eplb::Shape shape{weight.shape(0), weight.shape(1), num_replicas, num_groups, num_nodes, num_gpus};
   auto out = std::make_shared<eplb::Replication>();
   auto interrupt = python_interrupt();
-  const auto weight_span = flat(weight);
-  const auto loads_span = flat(group_loads);
-  const auto order_span = flat(group_order);
+  // Copies, read once each: the core reads weights in several passes without the GIL.
+  const std::vector<float> weight_copy = snapshot(flat(weight));
+  const std::vector<float> loads_copy = snapshot(flat(group_loads));
+  const std::vector<int64_t> order_copy = snapshot(flat(group_order));
+  const std::span<const float> weight_span(weight_copy), loads_span(loads_copy);
+  const std::span<const int64_t> order_span(order_copy);
   {
     py::gil_scoped_release release;
     *out = eplb::replicate(weight_span, shape, loads_span, order_span, num_threads, &interrupt);
@@ -52,7 +55,8 @@ std::shared_ptr<eplb::Replication> replicate(const CArray<float>& weight, int64_
 py::tuple place(const std::shared_ptr<eplb::Replication>& replication, const CArray<int64_t>& replica_order,
                 bool refine, bool avoid_gpu_duplicates, int num_threads) {
   if (!replication) throw py::value_error("replication must not be None");
-  const auto order_span = flat(replica_order);
+  const std::vector<int64_t> order_copy = snapshot(flat(replica_order));
+  const std::span<const int64_t> order_span(order_copy);
   eplb::PlaceOptions options{refine, avoid_gpu_duplicates};
   auto interrupt = python_interrupt();
   eplb::Placement placement;
@@ -74,9 +78,10 @@ py::tuple int_loads_typed(const py::array& weight_any, int64_t num_groups) {
   const int64_t rows = weight.shape(0), cols = weight.shape(1);
   eplb::Buffer<float> out(rows * cols), group_loads(num_groups > 0 ? rows * num_groups : 0);
   bool exact = false;
+  const std::vector<Int> weight_copy = snapshot(flat(weight));
   {
     py::gil_scoped_release release;
-    exact = eplb::int_loads<Int>(flat(weight), rows, cols, num_groups, out, group_loads);
+    exact = eplb::int_loads<Int>(weight_copy, rows, cols, num_groups, out, group_loads);
   }
   py::object sums = py::none();
   if (exact) sums = buffer_to_numpy(std::move(group_loads), {rows, num_groups});
@@ -100,9 +105,11 @@ py::tuple balanced_packing_typed(const py::array& weight_any, const CArray<int64
     throw py::value_error("order must have the shape of weight");
   }
   std::vector<int64_t> pack_index(rows * items), rank_in_pack(rows * items);
+  const std::vector<T> weight_copy = snapshot(flat(weight));
+  const std::vector<int64_t> order_copy = snapshot(flat(order));
   {
     py::gil_scoped_release release;
-    eplb::balanced_packing<T>(flat(weight), rows, items, flat(order), num_packs, pack_index, rank_in_pack,
+    eplb::balanced_packing<T>(weight_copy, rows, items, order_copy, num_packs, pack_index, rank_in_pack,
                               num_threads);
   }
   return py::make_tuple(to_numpy(std::move(pack_index), {rows, items}),
@@ -127,9 +134,10 @@ py::tuple replicate_experts_typed(const py::array& weight_any, int64_t num_phy, 
   check_output_fits("replicate_experts: phy2log and rank of rows x num_phy slots",
                     checked_mul(rows, num_phy).value_or(INT64_MAX), 2 * sizeof(int64_t));
   std::vector<int64_t> phy2log(rows * num_phy), rank(rows * num_phy), logcnt(rows * num_log);
+  const std::vector<T> weight_copy = snapshot(flat(weight));
   {
     py::gil_scoped_release release;
-    eplb::replicate_experts<T>(flat(weight), rows, num_log, num_phy, phy2log, rank, logcnt, num_threads);
+    eplb::replicate_experts<T>(weight_copy, rows, num_log, num_phy, phy2log, rank, logcnt, num_threads);
   }
   return py::make_tuple(to_numpy(std::move(phy2log), {rows, num_phy}), to_numpy(std::move(rank), {rows, num_phy}),
                         to_numpy(std::move(logcnt), {rows, num_log}));

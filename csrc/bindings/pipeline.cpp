@@ -70,7 +70,7 @@ py::tuple layout_counts(std::vector<std::string> stages, int64_t pp, const std::
 
 py::tuple balanced_split(const CArray<double>& layer_costs, int64_t pp, int64_t vpp, double embedding_cost,
                          double loss_cost) {
-  const auto costs = span_1d(layer_costs, "layer_costs");
+  const std::vector<double> costs = snapshot(span_1d(layer_costs, "layer_costs"));  // read in several passes
   pl::BalancedSplit split;
   {
     Interrupt interrupt = python_interrupt();

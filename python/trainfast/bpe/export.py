@@ -101,8 +101,8 @@ def to_hf_tokenizer_json(
         merges: ``(left, right)`` pairs in creation order.
         special_tokens: strings that must be in ``vocab`` (as UTF-8 bytes); written as added special
             tokens, matched before pre-tokenization, longest first. Refused (``ValueError``) where
-            tokenizer.json cannot hold one: a special token that is also an ordinary token or a merge
-            result under another spelling, or one HF's ByteLevel decoder would turn into other bytes
+            tokenizer.json cannot hold one: a special token that is also an ordinary token, or that a
+            merge makes or uses under another spelling, or one HF's ByteLevel decoder would turn into other bytes
             (spelled only with GPT-2 byte-map characters, some not ASCII, such as ``"é"``).
         path: the output file.
         pattern: ``"gpt2"`` (ByteLevel's own regex), ``"cl100k"``, ``"o200k"`` or a regex string (a
@@ -114,7 +114,7 @@ def to_hf_tokenizer_json(
         regex = _onig_regex(regex)
     table = bytes_to_unicode()
     mapped_chars = set(table.values())
-    merged = {left + right for left, right in merges}
+    in_merges = {token for left, right in merges for token in (left, right, left + right)}
     special_of = {token.encode("utf-8"): token for token in special_tokens}
     repeated = {t for t, n in Counter(vocab.values()).items() if n > 1} if len(token_to_id) < len(vocab) else set()
     for idx, token in enumerate(special_tokens):
@@ -128,9 +128,9 @@ def to_hf_tokenizer_json(
         if not token.isascii() and all(char in mapped_chars for char in token):
             raise ValueError(f"special_tokens[{idx}] = {token!r} would decode as other bytes in HF tokenizers "
                              f"(its ByteLevel decoder reads each character as a byte of GPT-2's byte map)")
-        if token_bytes in merged and text_of(token_bytes, table) != token:
-            raise ValueError(f"special_tokens[{idx}] = {token!r} is also made by a merge; tokenizer.json would "
-                             f"need it under two spellings")
+        if token_bytes in in_merges and text_of(token_bytes, table) != token:
+            raise ValueError(f"special_tokens[{idx}] = {token!r} is also in a merge, spelled "
+                             f"{text_of(token_bytes, table)!r} there; tokenizer.json would need it under two spellings")
 
     def text(token: bytes) -> str:
         # Special tokens go by their own text, which HF's added tokens look up in the vocab.

@@ -261,9 +261,10 @@ def count_pretokens(
         )
 
     if paths is not None:
-        for path in paths:
+        for idx, path in enumerate(paths):
             if not os.path.exists(path):
-                hint = "" if _is_path(inputs) else " (a list of str is read as file paths: pass documents as iter(texts))"
+                given_str = not _is_path(inputs) and isinstance(inputs[idx], str)
+                hint = " (a list of str is read as file paths: pass documents as iter(texts))" if given_str else ""
                 raise FileNotFoundError(2, "No such file or directory" + hint, path)
         total = sum(os.path.getsize(path) for path in paths if os.path.isfile(path))
         progress = _Progress(show_progress, total)

@@ -177,9 +177,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def plan(spec: ModelSpec, *, dp: int, expert_dp: int | None = None, bucket_size: Any = "default",
          use_distributed_optimizer: bool = True, busbw: bool = False) -> dict[str, Any]:
     """Layouts per buffer, bucket groups and (distributed optimizer) every rank's shard ranges."""
-    from trainfast.buckets import default_bucket_size, partition_bucket_indices, plan_layout, shard_ranges
+    from trainfast.buckets import (_check_bucket_size, default_bucket_size, partition_bucket_indices, plan_layout,
+                                   shard_ranges)
 
-    size = default_bucket_size(dp) if bucket_size == "default" else bucket_size
+    size = default_bucket_size(dp) if bucket_size == "default" else _check_bucket_size(bucket_size)
     layouts, ranges, groups = {}, {}, {}
     for name, indices in spec.buffers().items():
         world = (expert_dp or dp) if name == "expert" else dp
@@ -202,6 +203,8 @@ def run(model: str, *, dp: int = 256, expert_dp: int | None = None, bucket_size:
         check_int(expert_dp, "--expert-dp", min_value=1)
     if num_layers is not None:
         check_int(num_layers, "--layers", min_value=1)
+    check_int(param_bytes, "--param-bytes", min_value=0)  # before anything is printed
+    check_int(grad_bytes, "--grad-bytes", min_value=0)
     spec = resolve_spec(model, num_layers)
     import torch  # imported before timing: results are torch tensors
 

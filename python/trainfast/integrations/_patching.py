@@ -42,13 +42,29 @@ class Target:
 _MISSING = object()
 
 
+def _reloaded(current: Any, original: Any, ours: Any) -> bool:
+    """Whether ``current`` is a new copy of ``original`` (``importlib.reload`` ran the module again):
+    a different function with the same module and qualified name that is not ours and does not wrap
+    ours (ours, and ``functools.wraps`` wrappers of it, carry upstream's names too)."""
+    seen, unwrapped = 0, current
+    while unwrapped is not None and seen < 100:
+        if unwrapped is ours:
+            return False
+        unwrapped = getattr(unwrapped, "__func__", None) or getattr(unwrapped, "__wrapped__", None)
+        seen += 1
+    current, original = getattr(current, "__func__", current), getattr(original, "__func__", original)
+    return current is not original and callable(current) and \
+        (getattr(current, "__module__", None), getattr(current, "__qualname__", None)) == \
+        (getattr(original, "__module__", 0), getattr(original, "__qualname__", 0))
+
+
 @dataclass
 class Patcher:
     """Replaces module attributes and restores them; idempotent in both directions, thread-safe.
 
-    A target counts as patched only while our replacement is what the module holds: after
-    ``importlib.reload`` (or another library's reassignment) ``patch()`` patches it again.
-    ``unpatch()`` puts back the last original recorded, whatever wraps ours by then.
+    After ``importlib.reload`` put a new copy of upstream's function in the module, ``patch()``
+    patches that copy and ``unpatch()`` leaves it in place; otherwise ``unpatch()`` puts back the
+    original recorded, whatever wraps ours by then.
     """
 
     package: str
@@ -93,7 +109,7 @@ class Patcher:
         patched = []
         for target, module in resolved:
             key = (target.module, target.attribute)
-            if not self._is_ours(key):
+            if key not in self._patched or _reloaded(self._current(key), *self._patched[key]):
                 owner, name = _resolve_owner(module, target.attribute)
                 original = _raw_attribute(owner, name)
                 wrapper = type(original) if isinstance(original, (classmethod, staticmethod)) else None
@@ -110,14 +126,15 @@ class Patcher:
 
     def unpatch(self) -> None:
         with self._lock:
-            for (module_name, attribute), (original, _) in self._patched.items():
-                owner, name = _resolve_owner(importlib.import_module(module_name), attribute)
-                setattr(owner, name, original)
+            for key, (original, ours) in self._patched.items():
+                if not _reloaded(self._current(key), original, ours):
+                    owner, name = _resolve_owner(importlib.import_module(key[0]), key[1])
+                    setattr(owner, name, original)
             self._patched.clear()
 
     def is_patched(self) -> bool:
         with self._lock:
-            return any(self._is_ours(key) for key in self._patched)
+            return any(not _reloaded(self._current(key), *recorded) for key, recorded in self._patched.items())
 
     def _current(self, key: tuple[str, str]) -> Any:
         module = sys.modules.get(key[0])
@@ -129,5 +146,3 @@ class Patcher:
         except AttributeError:
             return _MISSING
 
-    def _is_ours(self, key: tuple[str, str]) -> bool:
-        return key in self._patched and self._current(key) is self._patched[key][1]

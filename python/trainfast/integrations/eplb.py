@@ -19,6 +19,8 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from trainfast.integrations._patching import _reloaded
+
 __all__ = ["patch", "unpatch", "is_patched", "FUNCTIONS", "KNOWN_MODULES"]
 
 logger = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ def patch(module: ModuleType | str | None = None) -> list[str]:
         for name in FUNCTIONS:
             if not hasattr(target, name):
                 continue
-            if name not in saved or getattr(target, name) is not saved[name][1]:
+            if name not in saved or _reloaded(getattr(target, name), *saved[name]):
                 original = getattr(target, name)
                 saved[name] = (original, _replacement(name, original))
                 setattr(target, name, saved[name][1])
@@ -98,12 +100,13 @@ def unpatch(module: ModuleType | str | None = None) -> None:
     with _lock:
         targets = [_resolve(module)] if module is not None else list(_patched)
         for target in targets:
-            for name, (original, _) in _patched.pop(target, {}).items():
-                setattr(target, name, original)
+            for name, (original, ours) in _patched.pop(target, {}).items():
+                if not _reloaded(getattr(target, name, None), original, ours):
+                    setattr(target, name, original)
 
 
 def is_patched(module: ModuleType | str | None = None) -> bool:
     with _lock:
         targets = list(_patched) if module is None else [_resolve(module)]
-        return any(getattr(target, name, None) is ours
-                   for target in targets for name, (_, ours) in _patched.get(target, {}).items())
+        return any(not _reloaded(getattr(target, name, None), *recorded)
+                   for target in targets for name, recorded in _patched.get(target, {}).items())
