@@ -187,10 +187,11 @@ _SPEC_MODULES = (
     "megatron.core.models.gpt.experimental_attention_variant_module_specs",
     "megatron.core.post_training.modelopt.gpt.model_specs",
 )
+# Optional like the bucket targets: a release without them still gets the checkpoint patch.
 patcher.add("megatron.core.transformer.transformer_block", "get_num_layers_to_build",
-            _pipeline_drop_in("get_num_layers_to_build"))
+            _pipeline_drop_in("get_num_layers_to_build"), required=False)
 patcher.add("megatron.core.transformer.transformer_layer", "get_transformer_layer_offset",
-            _pipeline_drop_in("get_transformer_layer_offset"))
+            _pipeline_drop_in("get_transformer_layer_offset"), required=False)
 for _module in ("megatron.core.transformer.transformer_block", "megatron.core.transformer.multi_token_prediction",
                 *_SPEC_MODULES):
     patcher.add(_module, "get_transformer_layer_offset", _pipeline_drop_in("get_transformer_layer_offset"),
