@@ -87,7 +87,9 @@ def random_model(rng: random.Random, n: int, *, fp8=True, experts=True, layer_wi
 
 
 def bucket_size_choice(rng: random.Random, dp: int):
-    return rng.choice([None, rng.randint(1, 5000), rng.randint(5000, 2_000_000), buckets.default_bucket_size(dp)])
+    # <= 0 too: Megatron's resolve_ddp_bucket_size gives 0 when there are more buckets than params.
+    return rng.choice([None, rng.randint(-3, 0), rng.randint(1, 5000), rng.randint(5000, 2_000_000),
+                       buckets.default_bucket_size(dp)])
 
 
 def ddp_config(rng: random.Random, **overrides):

@@ -314,7 +314,7 @@ def test_megatron_buffer_layout_matches_dropins(megatron_cpu, seed):
     rng = random.Random(seed)
     params = make_params(rng, rng.randint(1, 80), shared_ends=rng.random() < 0.5)
     dp = rng.choice(DPS)
-    bucket_size = rng.choice([None, 3000, 40000])
+    bucket_size = 0 if seed == 0 else rng.choice([None, 3000, 40000])  # 0: a bucket per param, as Megatron
     distopt = rng.random() < 0.7
     busbw = rng.random() < 0.3
     buffer, config = build_buffer(megatron_cpu, params, dp=dp, bucket_size=bucket_size, distopt=distopt, busbw=busbw)
@@ -520,8 +520,7 @@ def test_summary_mentions_buckets_and_padding():
     [
         (dict(numels=[1, 2], data_parallel_world_size=0), "data_parallel_world_size"),
         (dict(numels=[1, 2], data_parallel_world_size=-3), "data_parallel_world_size"),
-        (dict(numels=[1, 2], bucket_size=0), "bucket_size"),
-        (dict(numels=[1, 2], bucket_size=-5), "bucket_size"),
+        (dict(numels=[1, 2], bucket_size=True), "bucket_size"),
         (dict(numels=[1, -2]), "numels"),
         (dict(numels=[1, 2], shared_embedding=[True]), "shared_embedding"),
         (dict(numels=[[1, 2]]), "numels"),
@@ -529,8 +528,18 @@ def test_summary_mentions_buckets_and_padding():
     ],
 )
 def test_plan_layout_bad_input(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises((ValueError, TypeError), match=name):
         buckets.plan_layout(**kwargs)
+
+
+def test_bucket_size_zero_or_less_closes_a_bucket_per_param():
+    # Megatron's `param_end - bucket_start >= bucket_size` holds after every param when the size is <= 0.
+    for size in (0, -5):
+        layout = buckets.plan_layout([1, 2, 3], bucket_size=size, data_parallel_world_size=1,
+                                     use_distributed_optimizer=False)
+        assert layout.bucket_indices.tolist() == [[0, 3], [3, 5], [5, 6]]
+        expected = ref.layout([1, 2, 3], bucket_size=size, distopt=False)[3]
+        assert [tuple(b) for b in layout.bucket_indices.tolist()] == expected
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,11 @@ def test_returns_the_same_objects(issue_items):
 
 def test_empty_plan():
     assert checkpoint.split_by_size_and_type(4, []) == [[], [], [], []]
+    # Upstream (torch and Megatron) on a rank with nothing to save and no writer bins: [].
+    from torch.distributed.checkpoint.filesystem import _split_by_size_and_type as torch_split
+
+    assert checkpoint.split_by_size_and_type(0, []) == torch_split(0, []) == []
+    assert checkpoint.split_by_size_and_type(-2, []) == torch_split(-2, []) == []
     plan = checkpoint.assign_bins([], [], 3)
     assert plan.bin_offsets.tolist() == [0, 0, 0, 0] and plan.bin_bytes.tolist() == [0, 0, 0]
 

@@ -85,8 +85,9 @@ Layout plan_layout(std::span<const int64_t> numels, std::span<const uint8_t> sha
   const int64_t dp = options.data_parallel_world_size;
   TF_CHECK_ARG(dp > 0, "data_parallel_world_size", dp, "must be positive");
   if (options.bucket_size) {
-    TF_CHECK_ARG(*options.bucket_size > 0, "bucket_size", *options.bucket_size,
-                 "must be positive or None");
+    // 0 closes a bucket after every param, as Megatron does with any size <= 0.
+    TF_CHECK_ARG(*options.bucket_size >= 0, "bucket_size", *options.bucket_size,
+                 "must be non-negative or None");
   }
   const size_t n = numels.size();
   TF_CHECK_ARG(shared_embedding.empty() || shared_embedding.size() == n, "shared_embedding",

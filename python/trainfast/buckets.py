@@ -121,9 +121,12 @@ def default_bucket_size(data_parallel_world_size: int) -> int:
 def _check_bucket_size(bucket_size: Any) -> int | None:
     if bucket_size is None:
         return None
-    bucket_size = check_int(bucket_size, "bucket_size", min_value=1)
-    # A buffer holds under 2^63 elements, so such a size never closes a bucket: exactly None.
-    return None if bucket_size >= 2**63 else bucket_size
+    bucket_size = check_int(bucket_size, "bucket_size")
+    # A buffer holds under 2^63 elements, so such a size never closes a bucket: exactly None. A size
+    # <= 0 closes one after every param, as Megatron does (its resolve_ddp_bucket_size can give 0).
+    if bucket_size >= 2**63:
+        return None
+    return max(bucket_size, 0)
 
 
 @dataclass
@@ -234,7 +237,8 @@ def plan_layout(
         numels: int `[num_params]`, element count of each param in model order, >= 0.
         shared_embedding: bool `[num_params]` or None; marked params get a bucket of their own
             (distributed optimizer only, as upstream).
-        bucket_size: close a bucket once it holds >= this many elements; None means one bucket.
+        bucket_size: close a bucket once it holds >= this many elements (0 or less: after every
+            param, as Megatron); None means one bucket.
         data_parallel_world_size: dp, > 0 (bucket ends pad to a multiple of lcm(dp, 128)).
         use_distributed_optimizer: False gives DDP's default layout (no padding, no shared rule).
         pad_buckets_for_high_nccl_busbw: pad bucket ends to lcm(dp, 128, 2**16).

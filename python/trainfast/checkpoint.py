@@ -90,7 +90,8 @@ def split_by_size_and_type(
     """Splits WriteItems into ``bins`` lists, exactly as upstream's ``_split_by_size_and_type``.
 
     Args:
-        bins: number of bins (writer threads), > 0.
+        bins: number of bins (writer threads), > 0 (or any number for an empty ``items``, which
+            gives ``[]`` below 1, as upstream).
         items: ``torch.distributed.checkpoint.planner.WriteItem`` objects (or any objects with
             ``type``, ``tensor_data.chunk.sizes`` / ``tensor_data.size`` and
             ``tensor_data.properties.dtype``).
@@ -103,12 +104,16 @@ def split_by_size_and_type(
     Returns:
         ``bins`` lists of the same item objects; with ``bins == 1``, ``[items]`` as upstream.
     """
-    bins = check_int(bins, "bins", min_value=1)
+    bins = check_int(bins, "bins")
     check_choice(sizing, "sizing", _SIZINGS)
     check_choice(balance, "balance", _BALANCES)
     threads = resolve_num_threads(num_threads)
     if bins == 1:  # upstream returns before it looks at any item
         return [items]
+    if bins < 1 and isinstance(items, list) and not items:
+        return []  # upstream: no bins and nothing to put in them (a rank with an empty plan)
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1 (got {bins})")
     item_list = _check_items(items)
     return _core.checkpoint_split_write_items(
         item_list, bins, _byte_io_type(), _element_sizes(), sizing == "global", balance == "refined", threads
