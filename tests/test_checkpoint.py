@@ -300,6 +300,26 @@ def test_shape_list_changed_by_a_dimension():
         checkpoint.split_by_size_and_type(2, items, num_threads=1)
 
 
+def test_element_size_dict_changed_by_a_size():
+    # The native reader takes element sizes from a dict; a size's __index__ that empties it must not
+    # free the keys under the reader (it did: use after free).
+    from trainfast import _core
+
+    element_sizes: dict = {}
+
+    class DType:
+        pass
+
+    class Size:
+        def __index__(self):
+            element_sizes.clear()
+            return 4
+
+    element_sizes.update({DType(): Size(), DType(): Size()})
+    is_bytes, sizes = _core.checkpoint_write_item_sizes([], DType, element_sizes, True, False, 1)
+    assert len(is_bytes) == len(sizes) == 0
+
+
 def test_bad_byte_sizes_in_refined_balance():
     from torch.distributed.checkpoint.planner import BytesIOWriteData
 

@@ -557,6 +557,8 @@ def test_balanced_layout_torch_input():
         (lambda: tp.plan_layers(4, 2**63), ValueError, r"pp must be in \(-2\^60, 2\^60\)"),
         (lambda: tp.balanced_layout([1.0] * 4, 2, -2**64), ValueError, "vpp must be >= 1"),
         (lambda: tp.PipelineLayout.from_str("Et\ud800|L", 2), ValueError, r"invalid layer character '\\ud800'"),
+        # Stages are counted before they are built: 12 characters would make 2^24 of them.
+        (lambda: tp.PipelineLayout.from_str("(|)*16777215", 1), ValueError, r"expands to 16777216 stages"),
         # The chunk count is bounded before a set of every (pp_rank, vp_stage) is built.
         (lambda: tp.to_layout_str({(0, 0): range(4)}, 2**40), ValueError, r"pp times vpp must be <= 2\^22"),
         (lambda: tp.chunk_costs({(0, 0): range(4)}, [1.0] * 4, 1, 2**30), ValueError, r"pp times vpp must be <= 2\^22"),

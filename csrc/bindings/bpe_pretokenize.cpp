@@ -176,6 +176,9 @@ class Counter {
 
   void add_documents(const py::list& documents, int64_t first_index, const py::object& progress) {
     const InUse in_use(busy_);
+    if (first_index < 0 || first_index > (int64_t{1} << 62)) {  // names inputs[first_index + k]
+      throw py::value_error("first_index must be in [0, 2^62] (got " + std::to_string(first_index) + ")");
+    }
     const size_t num_docs = documents.size();
     std::vector<std::string_view> views(num_docs);
     std::vector<uint8_t> is_text(num_docs);

@@ -471,6 +471,11 @@ py::object param_range_map_indexed(const py::dict& param_world_index_map, const 
       ends.size() != static_cast<size_t>(n) || running_max.size() != static_cast<size_t>(n)) {
     throw py::value_error("snapshot arrays must have one entry per key");
   }
+  for (Py_ssize_t i = 0; i < n; ++i) {  // as index_snapshot checked them: no overflow below
+    if (!offset_in_range(starts[i]) || !offset_in_range(ends[i])) {
+      throw py::value_error("param_world_index_map offsets must be in (-2^62, 2^62)");
+    }
+  }
   if (PyDict_GET_SIZE(param_world_index_map.ptr()) != n) return py::none();
   if (version == 0 || dict_version(param_world_index_map.ptr()) != version) {
     PyObject *key = nullptr, *value = nullptr;

@@ -88,9 +88,12 @@ struct ItemArrays {
 class ElementSizeCache {
  public:
   explicit ElementSizeCache(const py::dict& element_sizes) : element_sizes_(element_sizes) {
+    // Pairs held first: a size's __index__ may run Python code that empties the dict.
+    std::vector<std::pair<py::object, py::object>> pairs;
     for (const auto& [dtype, size] : element_sizes) {
-      entries_.emplace_back(py::reinterpret_borrow<py::object>(dtype), checked_size(size));
+      pairs.emplace_back(py::reinterpret_borrow<py::object>(dtype), py::reinterpret_borrow<py::object>(size));
     }
+    for (auto& [dtype, size] : pairs) entries_.emplace_back(std::move(dtype), checked_size(size));
   }
 
   // The size of `dtype` when it is a known object, else -1; reads only (no Python code, so worker

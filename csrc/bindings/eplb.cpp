@@ -76,6 +76,9 @@ template <typename Int>
 py::tuple int_loads_typed(const py::array& weight_any, int64_t num_groups) {
   const auto weight = CArray<Int>::ensure(weight_any);
   const int64_t rows = weight.shape(0), cols = weight.shape(1);
+  // More groups than experts has no group sums here (None: the caller asks torch); and it would
+  // size group_loads by an unchecked number.
+  if (num_groups < 0 || num_groups > cols) num_groups = 0;
   eplb::Buffer<float> out(rows * cols), group_loads(num_groups > 0 ? rows * num_groups : 0);
   bool exact = false;
   const std::vector<Int> weight_copy = snapshot(flat(weight));

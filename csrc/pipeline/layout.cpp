@@ -1,5 +1,6 @@
 #include "pipeline/layout.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -156,6 +157,12 @@ Layout parse_layout(std::string_view layout, int64_t pp) {
     if (c != ',') text.push_back(c);  // commas are cosmetic
   }
   text = unroll_chars(unroll_groups(text, layout), layout);
+  // Counted before any stage string is built: "(|)*16777215" is 12 characters and 2^24 stages.
+  const auto num_bars = static_cast<int64_t>(std::count(text.begin(), text.end(), '|'));
+  if (num_bars + 1 > kMaxChunks) {
+    throw std::invalid_argument("layout " + quoted(layout) + " expands to " + std::to_string(num_bars + 1) +
+                                " stages, more than 2^22");
+  }
   std::vector<std::string> stages(1);
   for (char c : text) {
     if (c == '|') stages.emplace_back();
