@@ -132,8 +132,8 @@ class PipelineLayout:
         pp = _check_int(pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
         if isinstance(stages, str) or not isinstance(stages, Sequence):
             raise TypeError(f"stages must be a sequence of stage strings (got {type(stages).__name__})")
-        stage_list = [_layout_text(str(stage), f"stages[{i}]") if isinstance(stage, str) else _stage_from_types(stage, i)
-                      for i, stage in enumerate(stages)]
+        stage_list = [_layout_text(str(stage), f"stages[{i}]") if isinstance(stage, str)
+                      else _stage_from_types(stage, i) for i, stage in enumerate(stages)]
         _core.pipeline_layout_counts(stage_list, pp, "t")  # checks characters and the pp multiple
         self.pipeline_model_parallel_size = pp
         self.virtual_pipeline_model_parallel_size = len(stage_list) // pp

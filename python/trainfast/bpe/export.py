@@ -66,7 +66,7 @@ def _pattern_regex(pattern: str) -> str | None:
     return pattern
 
 
-def text_of(token: bytes, table: dict[int, str]) -> str:
+def _text_of(token: bytes, table: dict[int, str]) -> str:
     """GPT-2's printable spelling of token bytes."""
     return "".join(table[b] for b in token)
 
@@ -97,13 +97,13 @@ def to_hf_tokenizer_json(
     """Writes an HF ``tokenizers`` ``tokenizer.json`` to ``path`` (atomically) and returns the path.
 
     Args:
-        vocab: ``{id: token bytes}`` (all 256 single bytes, distinct tokens).
+        vocab: ``{id: token bytes}`` (all 256 single bytes, distinct tokens; see special_tokens).
         merges: ``(left, right)`` pairs in creation order.
         special_tokens: strings that must be in ``vocab`` (as UTF-8 bytes); written as added special
             tokens, matched before pre-tokenization, longest first. Refused (``ValueError``) where
-            tokenizer.json cannot hold one: a special token that is also an ordinary token, or that a
-            merge makes or uses under another spelling, or one HF's ByteLevel decoder would turn into other bytes
-            (spelled only with GPT-2 byte-map characters, some not ASCII, such as ``"é"``).
+            tokenizer.json cannot hold one: a special token that is also an ordinary token, one that
+            a merge makes or uses under another spelling, or one HF's ByteLevel decoder would turn
+            into other bytes (spelled only with GPT-2 byte-map characters, some not ASCII: ``"é"``).
         path: the output file.
         pattern: ``"gpt2"`` (ByteLevel's own regex), ``"cl100k"``, ``"o200k"`` or a regex string (a
             ``Split`` pre-tokenizer before a regex-less ByteLevel).
@@ -128,14 +128,15 @@ def to_hf_tokenizer_json(
         if not token.isascii() and all(char in mapped_chars for char in token):
             raise ValueError(f"special_tokens[{idx}] = {token!r} would decode as other bytes in HF tokenizers "
                              f"(its ByteLevel decoder reads each character as a byte of GPT-2's byte map)")
-        if token_bytes in in_merges and text_of(token_bytes, table) != token:
+        if token_bytes in in_merges and _text_of(token_bytes, table) != token:
             raise ValueError(f"special_tokens[{idx}] = {token!r} is also in a merge, spelled "
-                             f"{text_of(token_bytes, table)!r} there; tokenizer.json would need it under two spellings")
+                             f"{_text_of(token_bytes, table)!r} there; tokenizer.json would need it under two "
+                             f"spellings")
 
     def text(token: bytes) -> str:
         # Special tokens go by their own text, which HF's added tokens look up in the vocab.
         special = special_of.get(token)
-        return special if special is not None else text_of(token, table)
+        return special if special is not None else _text_of(token, table)
 
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": regex is None}
     if regex is None:
@@ -168,7 +169,7 @@ def to_hf_tokenizer_json(
             "byte_fallback": False,
             "ignore_merges": False,
             "vocab": {text(token): token_id for token_id, token in sorted(vocab.items())},
-            "merges": [f"{text_of(left, table)} {text_of(right, table)}" for left, right in merges],
+            "merges": [f"{_text_of(left, table)} {_text_of(right, table)}" for left, right in merges],
         },
     }
     path = Path(path)
