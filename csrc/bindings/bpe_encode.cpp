@@ -65,16 +65,9 @@ std::vector<int64_t> read_ids(const py::handle& ids) {
   std::vector<int64_t> out(static_cast<size_t>(n));
   for (Py_ssize_t k = 0; k < n; ++k) {
     PyObject* item = PyTuple_GET_ITEM(seq, k);
-    py::object as_int;
-    if (!PyLong_Check(item) && !PyBool_Check(item) && PyIndex_Check(item)) {
-      as_int = py::reinterpret_steal<py::object>(PyNumber_Index(item));
-      if (!as_int) {
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
-        PyErr_Clear();
-      }
-    }
-    PyObject* value = PyLong_Check(item) ? item : as_int.ptr();
-    if (value == nullptr || PyBool_Check(item)) {
+    const py::object as_int = as_index(item);
+    PyObject* value = as_int.ptr();
+    if (value == nullptr) {
       throw py::type_error("ids[" + std::to_string(k) + "] must be an int (got " +
                            std::string(py::str(py::type::handle_of(item).attr("__name__"))) + ")");
     }

@@ -34,24 +34,17 @@ FlatWords read_word_counts(const py::dict& word_counts) {
     // NumPy integers count too; their __index__ may run Python code, so hold the pair meanwhile.
     const py::object key_ref = py::reinterpret_borrow<py::object>(key);
     const py::object value_ref = py::reinterpret_borrow<py::object>(value);
-    py::object as_int;
-    if (!PyLong_Check(value) && !PyBool_Check(value) && PyIndex_Check(value)) {
-      const Py_ssize_t size_before = PyDict_GET_SIZE(word_counts.ptr());
-      as_int = py::reinterpret_steal<py::object>(PyNumber_Index(value));
-      if (!as_int) {
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();  // Ctrl-C, MemoryError
-        PyErr_Clear();
-      }
-      if (PyDict_GET_SIZE(word_counts.ptr()) != size_before) {
-        throw std::runtime_error("dictionary changed size during iteration");
-      }
+    const Py_ssize_t size_before = PyDict_GET_SIZE(word_counts.ptr());
+    const py::object as_int = as_index(value);
+    if (PyDict_GET_SIZE(word_counts.ptr()) != size_before) {
+      throw std::runtime_error("dictionary changed size during iteration");
     }
-    if (PyBool_Check(value) || (!PyLong_Check(value) && !as_int)) {
+    if (!as_int) {
       throw py::type_error("word_counts values must be int (got " + std::string(py::repr(value)) +
                            " for " + std::string(py::repr(key)) + ")");
     }
     int overflow = 0;
-    const long long count = PyLong_AsLongLongAndOverflow(as_int ? as_int.ptr() : value, &overflow);
+    const long long count = PyLong_AsLongLongAndOverflow(as_int.ptr(), &overflow);
     if (overflow != 0 || count < 1) {
       throw py::value_error("word_counts values must be in [1, 2^63-1] (got " +
                             std::string(py::repr(value)) + " for " + std::string(py::repr(key)) +

@@ -234,12 +234,7 @@ void read_item_generic(ItemReadContext& ctx, const py::object& item, size_t i, u
       const py::str nbytes_attr = interned("nbytes");
       if (data != nullptr && !data_obj.is_none() && py::hasattr(data_obj, nbytes_attr)) {
         const py::object nbytes_obj = data_obj.attr(nbytes_attr);
-        // An int or anything with __index__ (NumPy integers), as the shape dimensions.
-        py::object as_int;
-        if (!PyBool_Check(nbytes_obj.ptr()) && PyIndex_Check(nbytes_obj.ptr())) {
-          as_int = py::reinterpret_steal<py::object>(PyNumber_Index(nbytes_obj.ptr()));
-          if (!as_int) throw py::error_already_set();
-        }
+        const py::object as_int = as_index(nbytes_obj.ptr());  // NumPy integers too, as in shapes
         if (!as_int) {
           throw py::type_error(item_name(i) + ".bytes_io_data.nbytes must be an int (got " +
                                std::string(py::repr(nbytes_obj)) + ")");

@@ -27,6 +27,21 @@ std::span<const T> span_1d(const CArray<T>& array, const char* name) {
   return {array.data(), static_cast<size_t>(array.shape(0))};
 }
 
+// `value` as a Python int: an int as it is, anything with __index__ (NumPy integers) through it,
+// nothing (an empty object) for anything else, bool included. __index__ may run Python code; an
+// error from it other than TypeError (Ctrl-C, MemoryError) propagates.
+inline py::object as_index(PyObject* value) {
+  if (PyBool_Check(value)) return {};
+  if (PyLong_Check(value)) return py::reinterpret_borrow<py::object>(value);
+  if (!PyIndex_Check(value)) return {};
+  auto out = py::reinterpret_steal<py::object>(PyNumber_Index(value));
+  if (!out) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+    PyErr_Clear();
+  }
+  return out;
+}
+
 // A private copy of an input that the core reads without the GIL: another Python thread may write
 // to the caller's array meanwhile, and the core reads some values more than once (sizes its
 // outputs in one pass, fills them in another), so a changing value could overrun an output.

@@ -1037,13 +1037,8 @@ struct PretokenCounter::Impl {
   };
 
   bool safe_split(const uint8_t* s, size_t p, size_t n) const {
-    bool safe = false;
-    switch (options.pattern) {
-      case Pattern::kGpt2: safe = is_safe_split<Pattern::kGpt2>(s, p, n); break;
-      case Pattern::kCl100k: safe = is_safe_split<Pattern::kCl100k>(s, p, n); break;
-      case Pattern::kO200k: safe = is_safe_split<Pattern::kO200k>(s, p, n); break;
-    }
-    return safe && !specials.straddles(std::string_view(reinterpret_cast<const char*>(s), n), p);
+    return is_safe_cut(options.pattern, s, p, n) &&
+           !specials.straddles(std::string_view(reinterpret_cast<const char*>(s), n), p);
   }
 
   // A safe cut of the raw file bytes s[0:n) at p that is also one of the decoded text, whatever

@@ -43,11 +43,11 @@ def _checked(vocab: Any, merges: Any, special_tokens: Any) -> tuple[dict[int, by
 
 def _pattern_regex(pattern: str) -> str | None:
     """None for GPT-2's pattern (ByteLevel's built-in regex), else the regex string."""
-    from trainfast.bpe.pretokenize import PATTERNS
+    from trainfast.bpe.pretokenize import _ALIASES, PATTERNS
 
     if not isinstance(pattern, str):
         raise TypeError(f"pattern must be a str (got {type(pattern).__name__})")
-    name = {"cl100k_base": "cl100k", "o200k_base": "o200k"}.get(pattern, pattern)
+    name = _ALIASES.get(pattern, pattern)
     if name == "gpt2" or pattern == PATTERNS["gpt2"]:
         return None
     if name in PATTERNS:
