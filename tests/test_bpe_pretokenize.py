@@ -762,3 +762,11 @@ def test_file_name_not_utf8(tmp_path):
     path = os.fsdecode(raw_name)  # a str with a surrogate escape
     assert count_pretokens(path) == {b"the": 1, b" cat": 1, b" the": 1, b" dog": 1, b"\n": 1}
     assert count_pretokens(Path(path), num_threads=2) == count_pretokens(path)
+
+
+def test_counter_first_index_is_range_checked():
+    # first_index numbers the documents in error messages (inputs[first_index + k]): no int64 overflow.
+    counter = _core.BpePretokenCounter(0, [], 0, 1)
+    for first_index in (-1, 2**63 - 1):
+        with pytest.raises(ValueError, match=r"first_index must be in \[0, 2\^62\]"):
+            counter.add_documents(["x"], first_index=first_index)
