@@ -36,51 +36,58 @@ def pytest_report_header(config):
     return f"trainfast {trainfast.__version__} from {Path(_core.__file__).resolve()}"
 
 
+# The Ctrl-C sender runs in its own process: a thread of ours would need the GIL to send, so a
+# call that held the GIL would delay its own signal and look as if it stopped at once.
+_SIGINT_SENDER = """
+import os, signal, sys, time
+pid, first_at = int(sys.argv[1]), float(sys.argv[2])
+time.sleep(max(0.0, first_at - time.monotonic()))
+print(time.monotonic(), flush=True)
+while True:
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.02)
+"""
+
+
 @pytest.fixture
 def sigint_repeatedly():
     """Context manager factory: inside the block, SIGINT arrives every 20 ms after `delay` seconds,
     like a user holding Ctrl-C; outside it, stray signals are ignored. No race with fast machines
     (one fixed-time signal can land after the work is done) nor with slow ones. The block gets an
-    object whose `first_signal_at` is the time.monotonic() of the first signal sent (None if none)."""
+    object whose `first_signal_at` is the time.monotonic() of the first signal sent (None if none),
+    set when the block exits."""
     import contextlib
     import signal
-    import threading
+    import subprocess
+    import sys
     import time
     from types import SimpleNamespace
 
     @contextlib.contextmanager
     def arm(delay: float = 0.02):
-        armed = threading.Event()
-        stop = threading.Event()
+        armed = True
         signals = SimpleNamespace(first_signal_at=None)
 
         def handler(signum, frame):
             # One KeyboardInterrupt per block: a handler may run at any bytecode, even inside the
-            # cleanup below, so it disarms itself and stops the sender before raising.
-            if armed.is_set():
-                armed.clear()
-                stop.set()
+            # cleanup below, so it disarms itself before raising.
+            nonlocal armed
+            if armed:
+                armed = False
                 raise KeyboardInterrupt
 
-        def sender():
-            if stop.wait(delay):
-                return
-            while not stop.is_set():
-                if signals.first_signal_at is None:
-                    signals.first_signal_at = time.monotonic()
-                os.kill(os.getpid(), signal.SIGINT)
-                stop.wait(0.02)
-
         previous = signal.signal(signal.SIGINT, handler)
-        armed.set()
-        thread = threading.Thread(target=sender, daemon=True)
-        thread.start()
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # no sanitizer in the sender
+        sender = subprocess.Popen(
+            [sys.executable, "-c", _SIGINT_SENDER, str(os.getpid()), repr(time.monotonic() + delay)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         try:
             yield signals
         finally:
-            armed.clear()
-            stop.set()
-            thread.join()
+            armed = False
+            sender.kill()
+            first_line = sender.communicate()[0].split("\n")[0]
+            signals.first_signal_at = float(first_line) if first_line else None
             signal.signal(signal.SIGINT, previous)
 
     return arm

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainfast import bpe, buckets, checkpoint, eplb, pipeline
+from trainfast import _core, bpe, buckets, checkpoint, eplb, pipeline
 
 # The issue's bound; sanitizer builds run everything several times slower.
 STOP_WITHIN_S = 1.0 * (3 if "libasan" in os.environ.get("LD_PRELOAD", "") else 1)
@@ -112,6 +112,17 @@ def test_count_pretokens(sigint_repeatedly, tmp_path, source):
     bpe.count_pretokens(iter(["warm up"]), num_threads=2, show_progress=False)
     _assert_stops_cleanly(sigint_repeatedly, lambda: bpe.count_pretokens(inputs(), num_threads=2, show_progress=False))
 
+
+@pytest.mark.parametrize("finish", ["finish", "finish_table"])
+def test_count_pretokens_finish(sigint_repeatedly, tmp_path, finish):
+    """The end of a count (merging the threads' tables, then a dict of ~5M keys: seconds) stops too."""
+    path = tmp_path / "corpus.txt"
+    path.write_text(_random_text(64 << 20, seed=2))
+    counter = _core.BpePretokenCounter(0, [], 0, 2)
+    counter.add_file(str(path))
+    _assert_stops_cleanly(sigint_repeatedly, getattr(counter, finish))
+    with pytest.raises(RuntimeError, match="failed in an earlier call"):
+        counter.finish()
 
 def test_train_bpe(sigint_repeatedly):
     text = _random_text(24 << 20, seed=1)

@@ -223,9 +223,10 @@ class Counter {
   py::tuple finish_arrays() {
     const InUse in_use(busy_);
     bpe::FlatPretokenCounts counts;
+    Interrupt interrupt = python_interrupt();
     {
       py::gil_scoped_release release;
-      counts = counter_->finish_flat();
+      counts = counter_->finish_flat(&interrupt);
     }
     return py::make_tuple(to_numpy(std::move(counts.bytes)), to_numpy(std::move(counts.offsets)),
                           to_numpy(std::move(counts.counts)));
@@ -234,15 +235,23 @@ class Counter {
   py::dict finish() {
     const InUse in_use(busy_);
     bpe::FlatPretokenCounts counts;
+    Interrupt interrupt = python_interrupt();
     {
       py::gil_scoped_release release;
-      counts = counter_->finish_flat();
+      counts = counter_->finish_flat(&interrupt);
     }
     // Presized: no rehash up to CPython's cap (2^17 slots, ~87K keys); past it the dict still grows a few times.
     const auto num_entries = static_cast<Py_ssize_t>(counts.counts.size());
     py::dict out = py::reinterpret_steal<py::dict>(_PyDict_NewPresized(num_entries));
-    if (!out) throw py::error_already_set();
+    // The counter is empty now: a dict left unfinished loses the counts for good.
+    auto fail = [this] {
+      counter_->mark_broken();
+      throw py::error_already_set();
+    };
+    if (!out) fail();
     for (Py_ssize_t k = 0; k < num_entries; ++k) {
+      // Millions of keys take a second or more: Ctrl-C must not wait for the whole dict.
+      if ((k & 0xFFFF) == 0 && PyErr_CheckSignals() != 0) fail();
       const uint64_t begin = counts.offsets[k];
       PyObject* key = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(counts.bytes.data()) + begin,
                                                 static_cast<Py_ssize_t>(counts.offsets[k + 1] - begin));
@@ -250,7 +259,7 @@ class Counter {
       const int failed = value == nullptr || PyDict_SetItem(out.ptr(), key, value) != 0;
       Py_XDECREF(key);
       Py_XDECREF(value);
-      if (failed) throw py::error_already_set();
+      if (failed) fail();
     }
     return out;
   }
@@ -258,8 +267,9 @@ class Counter {
   // finish() without the dict: the table stays native for the BPE trainer (bpe_train.cpp).
   bpe::PretokenCounts finish_table() {
     const InUse in_use(busy_);
+    Interrupt interrupt = python_interrupt();
     py::gil_scoped_release release;
-    return counter_->finish();
+    return counter_->finish(&interrupt);
   }
 
  private:

@@ -1478,7 +1478,8 @@ std::unique_ptr<Rank[]> rank_slots(const CountTable& table, size_t t, const std:
 // counts of shard-s keys, and find() and the walk read only the key fields of other keys' slots,
 // so workers never race.
 template <typename Rank>
-void merge_tables(const std::vector<CountTable*>& tables, int num_threads, WriteRanges& ranges) {
+void merge_tables(const std::vector<CountTable*>& tables, int num_threads, WriteRanges& ranges,
+                  Interrupt* interrupt) {
   int min_bits = 32;
   for (const CountTable* table : tables) min_bits = std::min(min_bits, table->bits());
   // A few shards per thread, so a thread that falls behind on a shared machine is waited for little.
@@ -1487,10 +1488,10 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
   const size_t num_tables = tables.size();
   const size_t num_ranges = ranges.size();
   std::vector<std::unique_ptr<Rank[]>> slot_ranks(num_tables);
-  run_workers(num_tables, num_threads, nullptr,
+  run_workers(num_tables, num_threads, interrupt,
               [&](size_t t, int) { slot_ranks[t] = rank_slots<Rank>(*tables[t], t, ranges.spans); });
   std::mutex tally_mutex;
-  run_workers(num_shards, num_threads, nullptr, [&](size_t shard, int) {
+  run_workers(num_shards, num_threads, interrupt, [&](size_t shard, int) {
     std::vector<std::pair<size_t, size_t>> found;  // (table, slot) of the key in later tables
     // Tallied here and added once at the end (shared tallies would bounce a cache line).
     std::vector<uint64_t> shard_dropped(num_ranges, 0), shard_dropped_bytes(num_ranges, 0);
@@ -1558,6 +1559,8 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
       // shard's run wraps around to slot 0). Taken 8 at a time: which are full is a mask, not a
       // branch per slot (about half are empty, at random).
       for (size_t i = begin;; i += 8) {
+        // A shard is a large share of the work: Ctrl-C is polled inside it too.
+        if (interrupt != nullptr && (i & 0xFFFF) == 0) interrupt->check();
         uint32_t full = 0;
         for (size_t b = 0; b < 8; ++b) full |= static_cast<uint32_t>(table.slot((i + b) & mask).meta != 0) << b;
         bool last = false;
@@ -1586,7 +1589,7 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
 // straight into its place: the entries and key bytes before it are known from the spans (key
 // bytes summed as they were inserted) less the dropped ones.
 void write_in_order(const std::vector<CountTable*>& tables, const WriteRanges& ranges, int num_threads,
-                    FlatPretokenCounts& out) {
+                    FlatPretokenCounts& out, Interrupt* interrupt) {
   const size_t num_ranges = ranges.size();
   // Per range: its first output entry and first output byte.
   std::vector<uint64_t> first_out(num_ranges + 1, 0), first_byte(num_ranges + 1, 0);
@@ -1604,7 +1607,7 @@ void write_in_order(const std::vector<CountTable*>& tables, const WriteRanges& r
   out.offsets.resize(first_out[num_ranges] + 1);
   out.counts.resize(first_out[num_ranges]);
   out.offsets[0] = 0;
-  run_workers(num_ranges, num_threads, nullptr, [&](size_t j, int) {
+  run_workers(num_ranges, num_threads, interrupt, [&](size_t j, int) {
     // Locals, not members: byte stores may alias anything else in memory.
     size_t num_out = first_out[j];
     uint64_t num_bytes = first_byte[j];
@@ -1619,6 +1622,7 @@ void write_in_order(const std::vector<CountTable*>& tables, const WriteRanges& r
       const uint32_t* const order = table.entry_slots();
       constexpr size_t kAhead = 16;
       for (size_t k = span.begin; k < span.end; ++k) {
+        if (interrupt != nullptr && (k & 0xFFFF) == 0) interrupt->check();
         if (k + kAhead < span.end) __builtin_prefetch(&slots[order[k + kAhead]]);
         const CountTable::Slot& slot = slots[order[k]];
         const int64_t count = slot.count;
@@ -1639,7 +1643,7 @@ void write_in_order(const std::vector<CountTable*>& tables, const WriteRanges& r
 
 }  // namespace
 
-FlatPretokenCounts PretokenCounter::finish_flat() {
+FlatPretokenCounts PretokenCounter::finish_flat(Interrupt* interrupt) {
   Impl& impl = *impl_;
   const Impl::BreakOnThrow guard(impl);
   std::vector<CountTable*> sources;
@@ -1650,24 +1654,28 @@ FlatPretokenCounts PretokenCounter::finish_flat() {
   if (sources.size() > 1) {
     // Ranks are below the number of spans: at most one per work item, plus one per range cut.
     if (impl.num_items + ranges.size() <= size_t{1} << 16) {
-      merge_tables<uint16_t>(sources, impl.options.num_threads, ranges);
+      merge_tables<uint16_t>(sources, impl.options.num_threads, ranges, interrupt);
     } else {
-      merge_tables<uint32_t>(sources, impl.options.num_threads, ranges);
+      merge_tables<uint32_t>(sources, impl.options.num_threads, ranges, interrupt);
     }
   }
   FlatPretokenCounts out;
-  write_in_order(sources, ranges, impl.options.num_threads, out);
+  write_in_order(sources, ranges, impl.options.num_threads, out, interrupt);
   for (CountTable& table : impl.tables) table.clear();
   impl.num_items = 0;
   return out;
 }
 
-PretokenCounts PretokenCounter::finish() {
-  FlatPretokenCounts flat = finish_flat();
+void PretokenCounter::mark_broken() { impl_->broken = true; }
+
+PretokenCounts PretokenCounter::finish(Interrupt* interrupt) {
+  FlatPretokenCounts flat = finish_flat(interrupt);
+  const Impl::BreakOnThrow guard(*impl_);
   PretokenCounts out;
   out.counts.assign(flat.counts.begin(), flat.counts.end());
   out.pretokens.resize(out.counts.size());
   for (size_t k = 0; k < out.counts.size(); ++k) {
+    if (interrupt != nullptr && (k & 0xFFFF) == 0) interrupt->check();
     out.pretokens[k].assign(reinterpret_cast<const char*>(flat.bytes.data()) + flat.offsets[k],
                             flat.offsets[k + 1] - flat.offsets[k]);
   }

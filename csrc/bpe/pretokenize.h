@@ -146,9 +146,11 @@ class PretokenCounter {
                      std::span<const std::string> names = {}, Interrupt* interrupt = nullptr,
                      std::atomic<int64_t>* bytes_done = nullptr);
   // The counts so far, in first-occurrence order; the counter is empty afterwards.
-  PretokenCounts finish();
+  PretokenCounts finish(Interrupt* interrupt = nullptr);
   // finish() without a string per pre-token (cheaper for large tables).
-  FlatPretokenCounts finish_flat();
+  FlatPretokenCounts finish_flat(Interrupt* interrupt = nullptr);
+  // Breaks the counter as a failed call does: for a caller that lost finish()'s result.
+  void mark_broken();
 
  private:
   struct Impl;
