@@ -36,3 +36,17 @@ def test_unknown_attribute():
 def test_cli_help_lists_commands():
     out = subprocess.run([sys.executable, "-m", "trainfast.cli", "--help"], capture_output=True, text=True, check=True)
     assert "demo" in out.stdout and "checkpoint" in out.stdout
+
+
+def test_native_core_uses_no_iostreams():
+    """Built with a toolchain that links libstdc++ into the module (GCC 13 on the GPU machines'
+    image), the module's copy of the stream code segfaulted in `operator<<` on the first error
+    message it formatted. Messages are built with to_string/to_chars instead."""
+    import re
+
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    uses = [f"{path.relative_to(csrc)}:{number}"
+            for path in sorted(csrc.rglob("*.[ch]*"))
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if re.search(r"#include\s*<(sstream|iostream|fstream|ostream|istream)>", line)]
+    assert uses == []

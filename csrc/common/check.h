@@ -1,9 +1,10 @@
 // Argument checks shared by every kernel: one macro, one exception type per failure class.
 #pragma once
 
-#include <sstream>
+#include <charconv>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace trainfast {
 
@@ -16,11 +17,18 @@ class Interrupted : public std::runtime_error {
 
 namespace detail {
 
+// No iostreams: built with a toolchain that links libstdc++ into the module (GCC 13 at /opt/gcc on
+// the GPU machines' image), the module's copy of `out << value` segfaulted on the first message.
 template <typename T>
 std::string format_value(const T& value) {
-  std::ostringstream out;
-  out << value;
-  return out.str();
+  if constexpr (std::is_floating_point_v<T>) {
+    char text[64];
+    return std::string(text, std::to_chars(text, text + sizeof(text), value).ptr);  // shortest round trip
+  } else if constexpr (std::is_integral_v<T>) {
+    return std::to_string(value);
+  } else {
+    return std::string(value);
+  }
 }
 
 [[noreturn]] inline void throw_invalid_argument(const char* name, const std::string& value,
