@@ -30,9 +30,10 @@ def _thread_counts() -> tuple[int, int]:
     return threading.active_count(), _os_threads()
 
 
-def _assert_stops_cleanly(sigint_repeatedly, run: Callable[[], object]) -> None:
+def _assert_stops_cleanly(sigint_repeatedly, run: Callable[[], object], signal_after: float = SIGNAL_AFTER_S) -> float:
+    """Returns the time.monotonic() at which `run` stopped."""
     before = _thread_counts()
-    with pytest.raises(KeyboardInterrupt), sigint_repeatedly(SIGNAL_AFTER_S) as signals:
+    with pytest.raises(KeyboardInterrupt), sigint_repeatedly(signal_after) as signals:
         run()
     stopped_at = time.monotonic()
     assert signals.first_signal_at is not None
@@ -43,6 +44,7 @@ def _assert_stops_cleanly(sigint_repeatedly, run: Callable[[], object]) -> None:
     while _thread_counts() != before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _thread_counts() == before, "(python threads, OS threads) before vs after"
+    return stopped_at
 
 
 def _random_text(num_bytes: int, seed: int = 0) -> str:
@@ -113,16 +115,48 @@ def test_count_pretokens(sigint_repeatedly, tmp_path, source):
     _assert_stops_cleanly(sigint_repeatedly, lambda: bpe.count_pretokens(inputs(), num_threads=2, show_progress=False))
 
 
-@pytest.mark.parametrize("finish", ["finish", "finish_table"])
-def test_count_pretokens_finish(sigint_repeatedly, tmp_path, finish):
-    """The end of a count (merging the threads' tables, then a dict of ~5M keys: seconds) stops too."""
-    path = tmp_path / "corpus.txt"
+@pytest.fixture(scope="module")
+def finish_corpus(tmp_path_factory):
+    """64 MB of random words: ~5M distinct pre-tokens."""
+    path = tmp_path_factory.mktemp("finish") / "corpus.txt"
     path.write_text(_random_text(64 << 20, seed=2))
-    counter = _core.BpePretokenCounter(0, [], 0, 2)
+    return path
+
+
+def _counted(path, num_threads: int):
+    counter = _core.BpePretokenCounter(0, [], 0, num_threads)
     counter.add_file(str(path))
+    return counter
+
+
+# Sixteen tables to merge: the merge alone takes over half a second here.
+MERGE_THREADS = 16
+
+
+@pytest.mark.parametrize("finish, num_threads", [("finish", 1), ("finish_table", MERGE_THREADS)])
+def test_count_pretokens_finish(sigint_repeatedly, finish_corpus, finish, num_threads):
+    """The end of a count stops too: building the dict of ~5M keys (seconds; one thread, so the
+    signal lands there), and the native table. A count stopped there is gone: the counter says so."""
+    counter = _counted(finish_corpus, num_threads)
     _assert_stops_cleanly(sigint_repeatedly, getattr(counter, finish))
     with pytest.raises(RuntimeError, match="failed in an earlier call"):
         counter.finish()
+
+
+def test_count_pretokens_merge(sigint_repeatedly, finish_corpus):
+    """Ctrl-C stops the merge of the threads' tables itself: the call ends well before an
+    uninterrupted merge would have (not merely right after it)."""
+    counter = _counted(finish_corpus, MERGE_THREADS)
+    start = time.monotonic()
+    counter.finish_arrays()
+    uninterrupted_s = time.monotonic() - start
+    counter = _counted(finish_corpus, MERGE_THREADS)
+    start = time.monotonic()
+    stopped_at = _assert_stops_cleanly(sigint_repeatedly, counter.finish_arrays, signal_after=0.02)
+    assert stopped_at - start < uninterrupted_s / 2, (stopped_at - start, uninterrupted_s)
+    with pytest.raises(RuntimeError, match="failed in an earlier call"):
+        counter.finish()
+
 
 def test_train_bpe(sigint_repeatedly):
     text = _random_text(24 << 20, seed=1)

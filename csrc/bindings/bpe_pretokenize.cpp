@@ -228,6 +228,12 @@ class Counter {
       py::gil_scoped_release release;
       counts = counter_->finish_flat(&interrupt);
     }
+    // A Ctrl-C in the last poll interval would otherwise surface after the return, the counts
+    // dropped and the counter silently empty.
+    if (PyErr_CheckSignals() != 0) {
+      counter_->mark_broken();
+      throw py::error_already_set();
+    }
     return py::make_tuple(to_numpy(std::move(counts.bytes)), to_numpy(std::move(counts.offsets)),
                           to_numpy(std::move(counts.counts)));
   }
