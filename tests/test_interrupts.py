@@ -158,6 +158,40 @@ def test_count_pretokens_merge(sigint_repeatedly, finish_corpus):
         counter.finish()
 
 
+def _text_without_safe_cut(num_bytes: int) -> str:
+    """Letters, digits and punctuation with no whitespace (minified JSON is like it): no point of it
+    can be cut without changing the pre-tokens, so every scan takes it whole."""
+    symbols = np.frombuffer(b'abcdefghijklmnopqrstuvwxyz0123456789{}[]":,.', np.uint8)
+    rng = np.random.default_rng(3)
+    return symbols[rng.integers(0, len(symbols), num_bytes)].tobytes().decode()
+
+
+@pytest.fixture(scope="module")
+def uncuttable(tmp_path_factory):
+    text = _text_without_safe_cut(64 << 20)
+    path = tmp_path_factory.mktemp("uncuttable") / "corpus.json"
+    path.write_text(text)
+    return text, path
+
+
+@pytest.mark.parametrize("call", ["encode", "encode_batch", "encode_iterable", "pretokenize", "count_file",
+                                  "count_documents"])
+def test_text_without_safe_cut(sigint_repeatedly, uncuttable, call):
+    """One pre-token scan over all of the text (seconds) polls Ctrl-C inside, not only between blocks."""
+    text, path = uncuttable
+    tokenizer = bpe.Tokenizer({i: bytes([i]) for i in range(256)}, [])
+    run = {
+        "encode": lambda: tokenizer.encode(text),
+        "encode_batch": lambda: tokenizer.encode_batch([text], num_threads=2),
+        "encode_iterable": lambda: sum(1 for _ in tokenizer.encode_iterable(
+            text[i:i + (1 << 20)] for i in range(0, len(text), 1 << 20))),
+        "pretokenize": lambda: bpe.pretokenize(text),
+        "count_file": lambda: bpe.count_pretokens(str(path), num_threads=2, show_progress=False),
+        "count_documents": lambda: bpe.count_pretokens(iter([text]), num_threads=2, show_progress=False),
+    }[call]
+    _assert_stops_cleanly(sigint_repeatedly, run)
+
+
 def test_train_bpe(sigint_repeatedly):
     text = _random_text(24 << 20, seed=1)
     docs = [text[i:i + (1 << 20)] for i in range(0, len(text), 1 << 20)]

@@ -147,11 +147,12 @@ class Encoder {
   // characters (0 when no safe cut is known yet).
   py::tuple encode_prefix(const py::handle& text) {
     const std::string_view utf8 = utf8_view(text, "text");
-    const size_t cut = encoder_->safe_cut(utf8);
     std::vector<uint32_t> ids;
     Interrupt interrupt = python_interrupt();
+    size_t cut = 0;
     {
       py::gil_scoped_release release;
+      cut = encoder_->safe_cut(utf8, &interrupt);  // all of a text without one: long
       encoder_->encode(utf8.substr(0, cut), ids, &interrupt);
     }
     size_t num_chars = cut;

@@ -404,14 +404,17 @@ void BpeEncoder::encode_with(std::string_view text, std::vector<uint32_t>& out, 
         while (block_end < special_start && !regex_boundary(s + i, special_start - i, block_end - i) &&
                !is_safe_cut(pattern_, s + i, block_end - i, special_start - i)) {
           ++block_end;
+          if (interrupt != nullptr && (block_end & 0xFFFFF) == 0) interrupt->check();
         }
       }
+      // Text without a safe cut is one block however long: Ctrl-C is polled inside it too.
       ws.ends.clear();
-      pretokenize(text.substr(i, block_end - i), pattern_, ws.ends);
+      pretokenize(text.substr(i, block_end - i), pattern_, ws.ends, interrupt);
       size_t begin = 0;
-      for (const size_t end : ws.ends) {
-        encode_pretoken(s + i + begin, end - begin, out, ws, interrupt);
-        begin = end;
+      for (size_t k = 0; k < ws.ends.size(); ++k) {
+        if (interrupt != nullptr && (k & 0xFFF) == 0xFFF) interrupt->check();
+        encode_pretoken(s + i + begin, ws.ends[k] - begin, out, ws, interrupt);
+        begin = ws.ends[k];
       }
       i = block_end;
       if (interrupt != nullptr) interrupt->check();
@@ -464,13 +467,14 @@ std::string BpeEncoder::decode(std::span<const int64_t> ids) const {
   return out;
 }
 
-size_t BpeEncoder::safe_cut(std::string_view text) const {
+size_t BpeEncoder::safe_cut(std::string_view text, Interrupt* interrupt) const {
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
   const size_t n = text.size();
   const size_t reach = specials_.empty() ? 0 : specials_.max_length() - 1;
   if (n < reach + 3) return 0;
   // Every special token starting before the cut must end inside the text (n - reach).
   for (size_t p = n - reach - 1; p >= 2; --p) {
+    if (interrupt != nullptr && (p & 0xFFFFF) == 0) interrupt->check();
     // Text without letters (numbers, CSV) has no regex_boundary; a pre-token-safe cut serves too.
     if ((regex_boundary(s, n, p) || is_safe_cut(pattern_, s, p, n)) &&
         (specials_.empty() || !specials_.straddles(text, p))) {

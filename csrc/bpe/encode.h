@@ -47,7 +47,7 @@ class BpeEncoder {
   std::string decode(std::span<const int64_t> ids) const;
   // The largest n <= text.size() such that text[0:n) encodes, followed by anything, exactly as
   // its own encoding followed by the encoding of the rest (0 when no such cut is known).
-  size_t safe_cut(std::string_view text) const;
+  size_t safe_cut(std::string_view text, Interrupt* interrupt = nullptr) const;
 
   size_t vocab_id_limit() const { return id_to_token_offset_.size(); }
 

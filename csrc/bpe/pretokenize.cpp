@@ -523,15 +523,20 @@ bool is_safe_split(const uint8_t* s, size_t p, size_t n) {
 }
 
 template <Pattern P>
-void pretokenize_impl(const uint8_t* s, size_t n, size_t base, std::vector<size_t>& ends) {
-  scan_pretokens<P>(s, n, [&](size_t, size_t end) { ends.push_back(base + end); });
+void pretokenize_impl(const uint8_t* s, size_t n, size_t base, std::vector<size_t>& ends, Interrupt* interrupt) {
+  scan_pretokens<P>(s, n, [&](size_t, size_t end) {
+    ends.push_back(base + end);
+    // Text without a safe cut arrives as one segment, however long.
+    if (interrupt != nullptr && (ends.size() & 0xFFFF) == 0) interrupt->check();
+  });
 }
 
-void pretokenize_segment(const uint8_t* s, size_t n, size_t base, Pattern pattern, std::vector<size_t>& ends) {
+void pretokenize_segment(const uint8_t* s, size_t n, size_t base, Pattern pattern, std::vector<size_t>& ends,
+                         Interrupt* interrupt = nullptr) {
   switch (pattern) {
-    case Pattern::kGpt2: return pretokenize_impl<Pattern::kGpt2>(s, n, base, ends);
-    case Pattern::kCl100k: return pretokenize_impl<Pattern::kCl100k>(s, n, base, ends);
-    case Pattern::kO200k: return pretokenize_impl<Pattern::kO200k>(s, n, base, ends);
+    case Pattern::kGpt2: return pretokenize_impl<Pattern::kGpt2>(s, n, base, ends, interrupt);
+    case Pattern::kCl100k: return pretokenize_impl<Pattern::kCl100k>(s, n, base, ends, interrupt);
+    case Pattern::kO200k: return pretokenize_impl<Pattern::kO200k>(s, n, base, ends, interrupt);
   }
   TF_CHECK_ARG(false, "pattern", static_cast<int>(pattern), "must be gpt2, cl100k or o200k");
 }
@@ -763,7 +768,8 @@ class alignas(128) CountTable {
 };
 
 // Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
-// items in order; the calling thread is worker 0 and polls `interrupt` between items.
+// items in order; the calling thread is worker 0 and polls `interrupt` between items, then while
+// it waits for the others (fn should check it inside long items).
 void run_workers(size_t num_items, int num_threads, Interrupt* interrupt,
                  const std::function<void(size_t, int)>& fn) {
   if (num_items == 0) return;
@@ -772,6 +778,11 @@ void run_workers(size_t num_items, int num_threads, Interrupt* interrupt,
   std::atomic<bool> stop{false};
   std::exception_ptr first_error;
   std::mutex error_mutex;
+  auto record_error = [&](std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (!first_error) first_error = error;
+    stop.store(true);
+  };
   auto loop = [&](int worker) {
     try {
       while (!stop.load(std::memory_order_relaxed)) {
@@ -781,20 +792,34 @@ void run_workers(size_t num_items, int num_threads, Interrupt* interrupt,
         fn(item, worker);
       }
     } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!first_error) first_error = std::current_exception();
-      stop.store(true);
+      record_error(std::current_exception());
     }
   };
   std::vector<std::thread> threads;
+  RunningWorkers running;
   try {
-    for (int w = 1; w < num_workers; ++w) threads.emplace_back(loop, w);
+    for (int w = 1; w < num_workers; ++w) {
+      running.started();
+      try {
+        threads.emplace_back([&](int worker) {
+          loop(worker);
+          running.finished();
+        }, w);
+      } catch (...) {
+        running.finished();
+        throw;
+      }
+    }
   } catch (...) {
-    std::lock_guard<std::mutex> lock(error_mutex);
-    if (!first_error) first_error = std::current_exception();
-    stop.store(true);
+    record_error(std::current_exception());
   }
   loop(0);
+  try {
+    running.wait(interrupt);
+  } catch (...) {
+    record_error(std::current_exception());
+    running.wait(nullptr);
+  }
   for (auto& t : threads) t.join();
   if (first_error) std::rethrow_exception(first_error);
 }
@@ -808,8 +833,8 @@ std::string byte_hex(uint8_t b) {
 
 // ---------------------------------------------------------------------------------------------
 
-void pretokenize(std::string_view text, Pattern pattern, std::vector<size_t>& ends) {
-  pretokenize_segment(reinterpret_cast<const uint8_t*>(text.data()), text.size(), 0, pattern, ends);
+void pretokenize(std::string_view text, Pattern pattern, std::vector<size_t>& ends, Interrupt* interrupt) {
+  pretokenize_segment(reinterpret_cast<const uint8_t*>(text.data()), text.size(), 0, pattern, ends, interrupt);
 }
 
 SpecialTokenMatcher::SpecialTokenMatcher(std::vector<std::string> special_tokens) {
@@ -888,10 +913,13 @@ std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
       size_t p = n;
       if (n > 2 * kPollBytes) {
         p = kPollBytes;
-        while (p < n && !is_safe_cut(pattern, s + begin, p, n)) ++p;
+        while (p < n && !is_safe_cut(pattern, s + begin, p, n)) {
+          ++p;
+          if (interrupt != nullptr && (p & 0xFFFFF) == 0) interrupt->check();
+        }
       }
       ends.clear();
-      pretokenize_segment(s + begin, p, begin, pattern, ends);
+      pretokenize_segment(s + begin, p, begin, pattern, ends, interrupt);
       size_t piece_begin = begin;
       for (size_t end : ends) {
         pieces.push_back({piece_begin, end, false});
@@ -1112,7 +1140,7 @@ struct PretokenCounter::Impl {
     }
     if (text != s) release_mapped(s, n);  // decoded into the buffer
     std::vector<Chunk> chunks;
-    cut_all(text, text_size, chunks);
+    cut_all(text, text_size, chunks, 0, interrupt);
     // Counted in place: each worker drops the pages of its chunks (the teardown runs in parallel),
     // then the pages that straddle two chunks go.
     count_chunks(chunks, interrupt, bytes_done, text == s);
@@ -1122,11 +1150,15 @@ struct PretokenCounter::Impl {
   // Cuts text[0:n) into chunks of about chunk_bytes at safe points before `limit`; returns the
   // end of the last chunk cut (the rest is left for the caller). Points before `searched` are
   // known not to be safe cuts (a caller rescanning a growing text would otherwise go quadratic).
-  size_t cut(const uint8_t* s, size_t n, size_t limit, std::vector<Chunk>& chunks, size_t searched = 0) const {
+  size_t cut(const uint8_t* s, size_t n, size_t limit, std::vector<Chunk>& chunks, size_t searched = 0,
+             Interrupt* interrupt = nullptr) const {
     size_t start = 0;
     while (start + options.chunk_bytes < limit) {
       size_t p = std::max(start + options.chunk_bytes, searched);
-      while (p < limit && !safe_split(s, p, n)) ++p;
+      while (p < limit && !safe_split(s, p, n)) {
+        ++p;
+        if (interrupt != nullptr && (p & 0xFFFFF) == 0) interrupt->check();  // text without a safe cut
+      }
       if (p >= limit) break;
       chunks.push_back({s + start, p - start});
       start = p;
@@ -1138,41 +1170,43 @@ struct PretokenCounter::Impl {
   // slot is prefetched kAhead pre-tokens before it is counted, which hides most cache misses of a
   // large table.
   template <Pattern P>
-  void count_segment(const uint8_t* s, size_t n, CountTable& table) const {
+  void count_segment(const uint8_t* s, size_t n, CountTable& table, Interrupt* interrupt) const {
     constexpr unsigned kAhead = 16;
     CountTable::Key keys[kAhead];
-    unsigned num_pending = 0;
+    uint64_t num_pending = 0;
     scan_pretokens<P>(s, n, [&](size_t begin, size_t end) {
       if (end - begin > 0xFFFFFFFFull) throw std::length_error("a pre-token is longer than 4 GiB");
+      // A chunk is long only in text without a safe cut, but then it is all of it.
+      if (interrupt != nullptr && (num_pending & 0xFFFF) == 0xFFFF) interrupt->check();
       const unsigned k = num_pending % kAhead;
       if (num_pending >= kAhead) table.add(keys[k]);
       keys[k] = CountTable::make_key(s + begin, static_cast<uint32_t>(end - begin), n - begin);
       table.prefetch(keys[k].meta);
       ++num_pending;
     });
-    for (unsigned j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
+    for (uint64_t j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
       table.add(keys[j % kAhead]);
     }
   }
 
   template <Pattern P>
-  void count_chunk_impl(const Chunk& chunk, CountTable& table) const {
-    if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, table);
+  void count_chunk_impl(const Chunk& chunk, CountTable& table, Interrupt* interrupt) const {
+    if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, table, interrupt);
     const std::string_view text(reinterpret_cast<const char*>(chunk.data), chunk.size);
     size_t i = 0;
     while (i < chunk.size) {
       const auto [start, len] = specials.find(text, i);
-      count_segment<P>(chunk.data + i, start - i, table);
+      count_segment<P>(chunk.data + i, start - i, table, interrupt);
       if (len == 0) break;
       i = start + len;
     }
   }
 
-  void count_chunk(const Chunk& chunk, CountTable& table) const {
+  void count_chunk(const Chunk& chunk, CountTable& table, Interrupt* interrupt) const {
     switch (options.pattern) {
-      case Pattern::kGpt2: return count_chunk_impl<Pattern::kGpt2>(chunk, table);
-      case Pattern::kCl100k: return count_chunk_impl<Pattern::kCl100k>(chunk, table);
-      case Pattern::kO200k: return count_chunk_impl<Pattern::kO200k>(chunk, table);
+      case Pattern::kGpt2: return count_chunk_impl<Pattern::kGpt2>(chunk, table, interrupt);
+      case Pattern::kCl100k: return count_chunk_impl<Pattern::kCl100k>(chunk, table, interrupt);
+      case Pattern::kO200k: return count_chunk_impl<Pattern::kO200k>(chunk, table, interrupt);
     }
   }
 
@@ -1196,7 +1230,7 @@ struct PretokenCounter::Impl {
       tables[worker].begin_item(num_items + item);
       int64_t item_bytes = 0;
       for (size_t k = item_starts[item]; k < item_starts[item + 1]; ++k) {
-        count_chunk(chunks[k], tables[worker]);
+        count_chunk(chunks[k], tables[worker], interrupt);
         if (release) release_mapped(chunks[k].data, chunks[k].size);
         item_bytes += static_cast<int64_t>(chunks[k].size);
       }
@@ -1206,15 +1240,16 @@ struct PretokenCounter::Impl {
   }
 
   // Cuts all of text[0:n) into chunks, the rest after the last safe cut being the last chunk.
-  void cut_all(const uint8_t* s, size_t n, std::vector<Chunk>& chunks, size_t searched = 0) const {
-    const size_t done = cut(s, n, n, chunks, searched);
+  void cut_all(const uint8_t* s, size_t n, std::vector<Chunk>& chunks, size_t searched = 0,
+               Interrupt* interrupt = nullptr) const {
+    const size_t done = cut(s, n, n, chunks, searched, interrupt);
     if (done < n) chunks.push_back({s + done, n - done});
   }
 
   // Cuts one whole document of decoded text into chunks (a short one stays whole).
-  void cut_document(const uint8_t* s, size_t n, std::vector<Chunk>& chunks) const {
+  void cut_document(const uint8_t* s, size_t n, std::vector<Chunk>& chunks, Interrupt* interrupt) const {
     if (n > 2 * options.chunk_bytes) {
-      cut_all(s, n, chunks);
+      cut_all(s, n, chunks, 0, interrupt);
     } else if (n > 0) {
       chunks.push_back({s, n});
     }
@@ -1322,11 +1357,11 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
     std::vector<Impl::Chunk> chunks;
     size_t done;
     if (eof) {
-      impl.cut_all(s, text.size(), chunks, searched);
+      impl.cut_all(s, text.size(), chunks, searched, interrupt);
       done = text.size();
     } else {
       const size_t limit = text.size() > lookahead ? text.size() - lookahead : 0;
-      done = impl.cut(s, text.size(), limit, chunks, searched);
+      done = impl.cut(s, text.size(), limit, chunks, searched, interrupt);
       searched = limit > done ? limit - done : 0;  // cut() tried every point up to limit
     }
     impl.count_chunks(chunks, interrupt, bytes_done);
@@ -1365,7 +1400,7 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
       s = reinterpret_cast<const uint8_t*>(decoded_text.data()) + ranges[k].first;
       n = ranges[k].second - ranges[k].first;
     }
-    impl.cut_document(s, n, chunks);
+    impl.cut_document(s, n, chunks, interrupt);
   }
   const Impl::BreakOnThrow guard(impl);
   impl.count_chunks(chunks, interrupt, bytes_done);

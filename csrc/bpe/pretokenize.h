@@ -29,7 +29,7 @@ enum class Utf8Errors : int { kStrict = 0, kReplace = 1, kIgnore = 2 };
 // Appends to `ends` the end byte offset of every pre-token of `text`, as `regex.findall` would cut
 // it (the pre-tokens tile the text). `text` is UTF-8, where encoded surrogates are allowed (a
 // Python str encoded with "surrogatepass"); behaviour on other invalid bytes is unspecified but safe.
-void pretokenize(std::string_view text, Pattern pattern, std::vector<size_t>& ends);
+void pretokenize(std::string_view text, Pattern pattern, std::vector<size_t>& ends, Interrupt* interrupt = nullptr);
 
 // Splits text at special tokens first, as `regex.split` with the escaped tokens joined longest
 // first: leftmost occurrence wins, and the longest token at that position.

@@ -22,6 +22,31 @@ void Interrupt::check() {
   }
 }
 
+void RunningWorkers::started() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  ++num_running_;
+}
+
+void RunningWorkers::finished() {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    --num_running_;
+  }
+  done_.notify_all();  // the waiter joins this thread before the object goes away
+}
+
+void RunningWorkers::wait(Interrupt* interrupt) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (num_running_ > 0) {
+    if (interrupt != nullptr) {
+      lock.unlock();
+      interrupt->check();
+      lock.lock();
+    }
+    done_.wait_for(lock, std::chrono::milliseconds(20), [this] { return num_running_ == 0; });
+  }
+}
+
 void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
                   const std::function<void(int64_t, int64_t)>& body, Interrupt* interrupt) {
   TF_CHECK_ARG(num_threads >= 1, "num_threads", num_threads, "must be >= 1");
@@ -58,12 +83,30 @@ void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
 
   std::vector<std::thread> workers;
   workers.reserve(num_workers - 1);
+  RunningWorkers running;
   try {
-    for (int i = 1; i < num_workers; ++i) workers.emplace_back(run_blocks, false);
+    for (int i = 1; i < num_workers; ++i) {
+      running.started();
+      try {
+        workers.emplace_back([&] {
+          run_blocks(false);
+          running.finished();
+        });
+      } catch (...) {
+        running.finished();
+        throw;
+      }
+    }
   } catch (...) {
     record_error(std::current_exception());  // thread creation failed: stop and report
   }
   run_blocks(true);
+  try {
+    running.wait(interrupt);
+  } catch (...) {
+    record_error(std::current_exception());
+    running.wait(nullptr);
+  }
   for (auto& worker : workers) worker.join();
   if (first_error) std::rethrow_exception(first_error);
   if (interrupt && interrupt->stop_requested()) throw Interrupted();

@@ -7,8 +7,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 namespace trainfast {
@@ -35,6 +37,23 @@ class Interrupt {
   std::chrono::steady_clock::time_point last_poll_{};
   std::thread::id owner_{};
   std::atomic<bool> stop_{false};
+};
+
+// The worker threads of one call that are still running, so that the thread that started them
+// keeps polling its Interrupt while it waits for them: workers only read the stop flag, and a
+// Ctrl-C during another thread's long last item would otherwise wait for that item.
+class RunningWorkers {
+ public:
+  void started();
+  void finished();
+  // Returns once no worker runs. Polls `interrupt` (if any) meanwhile and lets its Interrupted
+  // through, the stop flag set: wait again without it, then join.
+  void wait(Interrupt* interrupt);
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_;
+  int num_running_ = 0;
 };
 
 // Runs body(begin, end) over [0, num_items) in blocks of block_size on up to num_threads threads
