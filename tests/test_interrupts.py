@@ -221,3 +221,47 @@ def test_pretokenize(sigint_repeatedly):
     text = code_points[indices].tobytes().decode("utf-32-le")
     bpe.pretokenize(text[:1000])
     _assert_stops_cleanly(sigint_repeatedly, lambda: bpe.pretokenize(text))
+
+
+class _RaisesOnce:
+    """A descriptor whose first read raises `error` (a Ctrl-C landing in user code), then gives `value`."""
+
+    def __init__(self, error: BaseException, value):
+        self.error, self.value, self.raised = error, value, False
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        if not self.raised:
+            self.raised = True
+            raise self.error
+        return self.value
+
+
+def test_ctrl_c_in_a_param_attribute_is_not_swallowed():
+    """The native grouping hands an unreadable param to the Python path, which reads it again: a
+    KeyboardInterrupt taken for "unreadable" would be lost there and the call would go on."""
+    class Param:
+        requires_grad = _RaisesOnce(KeyboardInterrupt(), True)
+        dtype = torch.float32
+        data = torch.zeros(3)
+
+    with pytest.raises(KeyboardInterrupt):
+        buckets.group_params_for_buffers([Param()], False)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), ValueError("bad type")])
+def test_error_in_a_write_item_attribute_propagates(error):
+    """An item attribute that raises is not reported as a missing attribute (TypeError): Ctrl-C
+    stays a KeyboardInterrupt and other errors stay what they were, as upstream's getattr gives."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class Item:
+        type = _RaisesOnce(error, WriteItemType.TENSOR)
+        tensor_data = SimpleNamespace(chunk=SimpleNamespace(sizes=(2,)), size=(2,),
+                                      properties=SimpleNamespace(dtype=torch.float32))
+
+    with pytest.raises(type(error), match=str(error) or None):
+        checkpoint.split_by_size_and_type(2, [Item()])

@@ -37,7 +37,7 @@ std::string_view utf8_of(const py::handle& text, py::object& owner, bool allow_s
   Py_ssize_t size = 0;
   const char* data = PyUnicode_AsUTF8AndSize(text.ptr(), &size);
   if (data != nullptr) return {data, static_cast<size_t>(size)};
-  PyErr_Clear();
+  clear_input_error();
   if (!allow_surrogates) {
     throw py::value_error(name + " contains a lone surrogate, which has no UTF-8 encoding");
   }

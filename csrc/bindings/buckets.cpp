@@ -96,7 +96,7 @@ int64_t as_int64(PyObject* value, const char* what) {
   int overflow = 0;
   const long long out = PyLong_AsLongLongAndOverflow(value, &overflow);
   if (out == -1 && PyErr_Occurred()) {
-    PyErr_Clear();
+    clear_input_error();
     throw py::type_error(std::string("param_world_index_map values must hold int ") + what);
   }
   if (overflow != 0 || !offset_in_range(out)) {
@@ -143,7 +143,7 @@ py::dict param_range_map(const py::dict& param_world_index_map, int64_t world_st
       end = as_int64(PyTuple_GET_ITEM(value, 1), "ends");
     } else {
       if (!PySequence_Check(value) || PySequence_Size(value) != 3) {
-        if (PyErr_Occurred()) PyErr_Clear();
+        if (PyErr_Occurred()) clear_input_error();
         throw py::value_error("param_world_index_map values must be (start, end, bucket_id) triples");
       }
       py::object start_obj = py::reinterpret_steal<py::object>(PySequence_GetItem(value, 0));
@@ -183,7 +183,7 @@ struct Irregular {};
 
 py::object steal_or_irregular(PyObject* value) {
   if (value == nullptr) {
-    PyErr_Clear();
+    clear_input_error();
     throw Irregular{};
   }
   return py::reinterpret_steal<py::object>(value);
@@ -192,7 +192,7 @@ py::object steal_or_irregular(PyObject* value) {
 bool truth_or_irregular(PyObject* value) {
   const int truth = PyObject_IsTrue(value);
   if (truth < 0) {
-    PyErr_Clear();
+    clear_input_error();
     throw Irregular{};
   }
   return truth == 1;
@@ -202,7 +202,7 @@ py::object optional_attr(PyObject* obj, PyObject* name) {
   PyObject* value = nullptr;
   const int found = lookup_attr(obj, name, &value);
   if (found < 0) {
-    PyErr_Clear();
+    clear_input_error();
     throw Irregular{};
   }
   return found == 1 ? py::reinterpret_steal<py::object>(value) : py::object();
@@ -228,12 +228,12 @@ struct KeyIndex {
       id = PyLong_AsLongLong(found);
     } else {
       if (PyErr_Occurred()) {
-        PyErr_Clear();
+        clear_input_error();
         throw Irregular{};
       }
       id = static_cast<int64_t>(PyDict_GET_SIZE(index.ptr()));
       if (PyDict_SetItem(index.ptr(), key.ptr(), py::int_(id).ptr()) != 0) {
-        PyErr_Clear();
+        clear_input_error();
         throw Irregular{};
       }
       *created = true;
@@ -312,7 +312,7 @@ py::object group_params(const py::list& params, bool grad_reduce_in_fp32, const 
         }
         const long long value = PyLong_AsLongLong(numel.ptr());
         if (value == -1 && PyErr_Occurred()) {
-          PyErr_Clear();
+          if (PyErr_Occurred()) clear_input_error();
           throw Irregular{};
         }
         group.numels.push_back(value);
@@ -434,7 +434,7 @@ py::object index_snapshot(const py::dict& param_world_index_map) {
       int overflow = 0;
       triple[j] = PyLong_AsLongLongAndOverflow(item, &overflow);
       if (overflow != 0 || (triple[j] == -1 && PyErr_Occurred()) || !offset_in_range(triple[j])) {
-        PyErr_Clear();
+        clear_input_error();
         return py::none();  // the plain path says what is wrong
       }
     }

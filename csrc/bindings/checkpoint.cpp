@@ -26,6 +26,7 @@ std::string item_name(size_t idx) { return "items[" + std::to_string(idx) + "]";
 py::object get_attr(AttrReader& reader, py::handle obj, size_t idx) {
   PyObject* value = reader.get(obj.ptr());
   if (value == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();  // as getattr
     PyErr_Clear();
     throw py::type_error(item_name(idx) + " has no attribute '" +
                          std::string(py::str(reader.name())) +
@@ -56,7 +57,7 @@ int64_t numel_of(py::handle shape, size_t idx, const char* field) {
     int overflow = 0;
     const long long value = PyLong_AsLongLongAndOverflow(dim.ptr(), &overflow);
     if (value == -1 && PyErr_Occurred()) {
-      PyErr_Clear();
+      clear_input_error();
       throw py::type_error(where() + " must be a sequence of ints (got " +
                            std::string(py::repr(dim)) + ")");
     }
@@ -110,7 +111,7 @@ class ElementSizeCache {
     if (const int64_t size = find(dtype.ptr()); size >= 0) return size;
     PyObject* size = PyDict_GetItemWithError(element_sizes_.ptr(), dtype.ptr());
     if (size == nullptr) {
-      if (PyErr_Occurred()) PyErr_Clear();
+      if (PyErr_Occurred()) clear_input_error();
       throw py::value_error(item_name(idx) + " has an unknown dtype (got " +
                             std::string(py::repr(dtype)) + ")");
     }
@@ -229,7 +230,7 @@ void read_item_generic(ItemReadContext& ctx, const py::object& item, size_t i, u
   if (is_bytes) {
     if (ctx.count_bytes) {
       PyObject* data = r.bytes_io_data.get(item.ptr());
-      if (data == nullptr) PyErr_Clear();
+      if (data == nullptr) clear_input_error();
       auto data_obj = py::reinterpret_steal<py::object>(data);
       const py::str nbytes_attr = interned("nbytes");
       if (data != nullptr && !data_obj.is_none() && py::hasattr(data_obj, nbytes_attr)) {

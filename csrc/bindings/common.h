@@ -27,6 +27,16 @@ std::span<const T> span_1d(const CArray<T>& array, const char* name) {
   return {array.data(), static_cast<size_t>(array.shape(0))};
 }
 
+// Clears the pending Python error, which stands for bad input, so that the caller can say what
+// is wrong or take another path. Ctrl-C (KeyboardInterrupt, as anything not an Exception) and
+// MemoryError are never swallowed: they propagate from here.
+inline void clear_input_error() {
+  if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)) {
+    throw py::error_already_set();
+  }
+  PyErr_Clear();
+}
+
 // `value` as a Python int: an int as it is, anything with __index__ (NumPy integers) through it,
 // nothing (an empty object) for anything else, bool included. __index__ may run Python code; an
 // error from it other than TypeError (Ctrl-C, MemoryError) propagates.
