@@ -201,7 +201,10 @@ class WordCounts:
         blob = bytes(data[pos:end])
         offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         words = [blob[offsets[k]:offsets[k + 1]] for k in range(num_words)]
-        table = dict(zip(words, counts.tolist()))
+        # In slices: one dict(zip(...)) over millions of words is a C loop that Ctrl-C cannot stop.
+        table: dict[bytes, int] = {}
+        for start in range(0, num_words, 1 << 19):
+            table.update(zip(words[start:start + (1 << 19)], counts[start:start + (1 << 19)].tolist()))
         if len(table) != num_words:
             raise corrupt("a word appears twice")
         return cls._trusted(table, pattern, special_tokens)
