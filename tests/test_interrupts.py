@@ -265,3 +265,16 @@ def test_error_in_a_write_item_attribute_propagates(error):
 
     with pytest.raises(type(error), match=str(error) or None):
         checkpoint.split_by_size_and_type(2, [Item()])
+
+
+@pytest.mark.parametrize("call", ["decode", "decode_bytes", "decode_numpy"])
+def test_decode(sigint_repeatedly, call):
+    """~38M ids (reading them, then joining their bytes: seconds) stop too."""
+    tokenizer = bpe.Tokenizer({i: bytes([i]) for i in range(256)}, [])
+    ids = list(range(256)) * 150_000
+    run = {
+        "decode": lambda: tokenizer.decode(ids),
+        "decode_bytes": lambda: tokenizer.decode_bytes(ids),
+        "decode_numpy": lambda: tokenizer.decode(np.tile(np.arange(256), 150_000)),
+    }[call]
+    _assert_stops_cleanly(sigint_repeatedly, run)

@@ -64,6 +64,8 @@ std::vector<int64_t> read_ids(const py::handle& ids) {
   const Py_ssize_t n = PyTuple_GET_SIZE(seq);
   std::vector<int64_t> out(static_cast<size_t>(n));
   for (Py_ssize_t k = 0; k < n; ++k) {
+    // Tens of millions of ids take a second or more: Ctrl-C must not wait for them all.
+    if ((k & 0xFFFF) == 0 && PyErr_CheckSignals() != 0) throw py::error_already_set();
     PyObject* item = PyTuple_GET_ITEM(seq, k);
     const py::object as_int = as_index(item);
     PyObject* value = as_int.ptr();
@@ -182,20 +184,24 @@ class Encoder {
   }
 
   py::bytes decode_bytes(const py::handle& ids) {
-    const std::vector<int64_t> values = read_ids(ids);
-    const std::string out = encoder_->decode(values);
+    const std::string out = decoded(read_ids(ids));
     return py::bytes(out.data(), out.size());
   }
 
   py::str decode(const py::handle& ids) {
-    const std::vector<int64_t> values = read_ids(ids);
-    const std::string out = encoder_->decode(values);
+    const std::string out = decoded(read_ids(ids));
     PyObject* text = PyUnicode_DecodeUTF8(out.data(), static_cast<Py_ssize_t>(out.size()), "replace");
     if (text == nullptr) throw py::error_already_set();
     return py::reinterpret_steal<py::str>(text);
   }
 
  private:
+  std::string decoded(const std::vector<int64_t>& ids) const {
+    Interrupt interrupt = python_interrupt();
+    py::gil_scoped_release release;
+    return encoder_->decode(ids, &interrupt);
+  }
+
   std::unique_ptr<bpe::BpeEncoder> encoder_;
   std::vector<py::object> id_objects_;  // int objects of ids 0 .. vocab_id_limit - 1
 };

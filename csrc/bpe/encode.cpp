@@ -447,9 +447,10 @@ std::vector<std::vector<uint32_t>> BpeEncoder::encode_batch(std::span<const std:
   return results;
 }
 
-std::string BpeEncoder::decode(std::span<const int64_t> ids) const {
+std::string BpeEncoder::decode(std::span<const int64_t> ids, Interrupt* interrupt) const {
   size_t total = 0;
   for (size_t k = 0; k < ids.size(); ++k) {
+    if (interrupt != nullptr && (k & 0xFFFF) == 0) interrupt->check();
     const int64_t id = ids[k];
     if (id < 0 || static_cast<uint64_t>(id) >= id_to_token_offset_.size() ||
         id_to_token_offset_[static_cast<size_t>(id)] < 0) {
@@ -460,9 +461,10 @@ std::string BpeEncoder::decode(std::span<const int64_t> ids) const {
   }
   std::string out;
   out.reserve(total);
-  for (const int64_t id : ids) {
-    out.append(token_bytes_, static_cast<size_t>(id_to_token_offset_[static_cast<size_t>(id)]),
-               id_to_token_length_[static_cast<size_t>(id)]);
+  for (size_t k = 0; k < ids.size(); ++k) {
+    if (interrupt != nullptr && (k & 0xFFFF) == 0) interrupt->check();
+    const auto id = static_cast<size_t>(ids[k]);
+    out.append(token_bytes_, static_cast<size_t>(id_to_token_offset_[id]), id_to_token_length_[id]);
   }
   return out;
 }

@@ -44,7 +44,7 @@ class BpeEncoder {
   void encode_piece(std::string_view piece, std::vector<uint32_t>& out, Interrupt* interrupt = nullptr) const;
 
   // Concatenated bytes of the ids; throws std::invalid_argument naming the first unknown id.
-  std::string decode(std::span<const int64_t> ids) const;
+  std::string decode(std::span<const int64_t> ids, Interrupt* interrupt = nullptr) const;
   // The largest n <= text.size() such that text[0:n) encodes, followed by anything, exactly as
   // its own encoding followed by the encoding of the rest (0 when no such cut is known).
   size_t safe_cut(std::string_view text, Interrupt* interrupt = nullptr) const;

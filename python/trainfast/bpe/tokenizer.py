@@ -251,7 +251,13 @@ def _id_list(ids: Any) -> Any:
     if hasattr(ids, "tolist") and callable(ids.tolist):  # numpy array / torch tensor
         if hasattr(ids, "detach"):
             ids = ids.detach().cpu()
-        values = ids.tolist()
+        if getattr(ids, "ndim", None) == 1:
+            # In slices: one tolist() of tens of millions of ids is a C loop Ctrl-C cannot stop.
+            values = []
+            for start in range(0, len(ids), 1 << 20):
+                values.extend(ids[start:start + (1 << 20)].tolist())
+        else:
+            values = ids.tolist()
         if not isinstance(values, list) or (values and isinstance(values[0], list)):
             raise ValueError(f"ids must be 1-D (got shape {tuple(getattr(ids, 'shape', ()))})")
         if values and not isinstance(values[0], int):
