@@ -852,3 +852,24 @@ def test_python_code_that_changes_the_inputs_cannot_crash():
     world = buckets._range_type()(0, 128)
     with pytest.raises(ValueError, match=r"starts must be in \(-2\^62, 2\^62\)"):
         buckets.build_model_gbuf_param_range_map({"p": (-2**63, 5, 0)}, world, 0)
+
+
+@pytest.mark.parametrize("start", [2**62, -(2**62), 2**70])
+def test_out_of_range_offsets_in_a_real_buffer(start):
+    """A buffer that can be weakly referenced (as Megatron's is) takes the cached-index path; an
+    offset past +-2^62 there is handed to the plain path, which names it (no internal error)."""
+    assert _core.buckets_index_snapshot({"p": (start, start + 4, 0)}) is None
+
+    class Grad:
+        def numel(self):
+            return 8
+
+    class Buffer:  # hashable and weakly referenceable, unlike SimpleNamespace
+        pass
+
+    buffer = Buffer()
+    buffer.data_parallel_group = FakeGroup(1)
+    buffer.buckets = [types.SimpleNamespace(grad_data=Grad(), offset=0)]
+    buffer.param_index_map = {"p": (start, start + 4, 0)}
+    with pytest.raises(ValueError, match="starts must be in"):
+        buckets.build_model_gbuf_range(buffer, 0)

@@ -197,6 +197,8 @@ class Encoder {
 
  private:
   std::string decoded(const std::vector<int64_t>& ids) const {
+    // Streaming decode (a token at a time) should not pay for a GIL release.
+    if (ids.size() < (size_t{1} << 16)) return encoder_->decode(ids);
     Interrupt interrupt = python_interrupt();
     py::gil_scoped_release release;
     return encoder_->decode(ids, &interrupt);

@@ -312,7 +312,7 @@ py::object group_params(const py::list& params, bool grad_reduce_in_fp32, const 
         }
         const long long value = PyLong_AsLongLong(numel.ptr());
         if (value == -1 && PyErr_Occurred()) {
-          if (PyErr_Occurred()) clear_input_error();
+          clear_input_error();
           throw Irregular{};
         }
         group.numels.push_back(value);
@@ -434,7 +434,7 @@ py::object index_snapshot(const py::dict& param_world_index_map) {
       int overflow = 0;
       triple[j] = PyLong_AsLongLongAndOverflow(item, &overflow);
       if (overflow != 0 || (triple[j] == -1 && PyErr_Occurred()) || !offset_in_range(triple[j])) {
-        clear_input_error();
+        if (PyErr_Occurred()) clear_input_error();
         return py::none();  // the plain path says what is wrong
       }
     }
