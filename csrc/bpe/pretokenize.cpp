@@ -795,32 +795,7 @@ void run_workers(size_t num_items, int num_threads, Interrupt* interrupt,
       record_error(std::current_exception());
     }
   };
-  std::vector<std::thread> threads;
-  RunningWorkers running;
-  try {
-    for (int w = 1; w < num_workers; ++w) {
-      running.started();
-      try {
-        threads.emplace_back([&](int worker) {
-          loop(worker);
-          running.finished();
-        }, w);
-      } catch (...) {
-        running.finished();
-        throw;
-      }
-    }
-  } catch (...) {
-    record_error(std::current_exception());
-  }
-  loop(0);
-  try {
-    running.wait(interrupt);
-  } catch (...) {
-    record_error(std::current_exception());
-    running.wait(nullptr);
-  }
-  for (auto& t : threads) t.join();
+  run_on_threads(num_workers, loop, interrupt, record_error);
   if (first_error) std::rethrow_exception(first_error);
 }
 

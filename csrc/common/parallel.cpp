@@ -1,6 +1,7 @@
 #include "common/parallel.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -22,29 +23,75 @@ void Interrupt::check() {
   }
 }
 
-void RunningWorkers::started() {
-  const std::lock_guard<std::mutex> lock(mutex_);
-  ++num_running_;
-}
+namespace {
 
-void RunningWorkers::finished() {
-  {
+// The worker threads still running, which the calling thread waits for.
+class RunningWorkers {
+ public:
+  void started() {
     const std::lock_guard<std::mutex> lock(mutex_);
-    --num_running_;
+    ++num_running_;
   }
-  done_.notify_all();  // the waiter joins this thread before the object goes away
-}
 
-void RunningWorkers::wait(Interrupt* interrupt) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (num_running_ > 0) {
-    if (interrupt != nullptr) {
-      lock.unlock();
-      interrupt->check();
-      lock.lock();
+  void finished() {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      --num_running_;
     }
-    done_.wait_for(lock, std::chrono::milliseconds(20), [this] { return num_running_ == 0; });
+    done_.notify_all();  // the waiter joins this thread before the object goes away
   }
+
+  // Returns once no worker runs; polls `interrupt` (if any) meanwhile and lets what it throws
+  // through (its stop flag then set): wait again without it.
+  void wait(Interrupt* interrupt) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (num_running_ > 0) {
+      if (interrupt != nullptr) {
+        lock.unlock();
+        interrupt->check();
+        lock.lock();
+      }
+      done_.wait_for(lock, std::chrono::milliseconds(20), [this] { return num_running_ == 0; });
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_;
+  int num_running_ = 0;
+};
+
+}  // namespace
+
+void run_on_threads(int num_workers, const std::function<void(int)>& worker, Interrupt* interrupt,
+                    const std::function<void(std::exception_ptr)>& on_error) {
+  std::vector<std::thread> threads;
+  RunningWorkers running;
+  try {
+    threads.reserve(static_cast<size_t>(std::max(0, num_workers - 1)));
+    for (int w = 1; w < num_workers; ++w) {
+      running.started();
+      try {
+        threads.emplace_back([&worker, &running](int index) {
+          worker(index);
+          running.finished();
+        }, w);
+      } catch (...) {
+        running.finished();
+        throw;
+      }
+    }
+  } catch (...) {
+    on_error(std::current_exception());  // thread creation failed: stop and report
+  }
+  worker(0);
+  try {
+    running.wait(interrupt);
+  } catch (...) {
+    on_error(std::current_exception());
+    running.wait(nullptr);
+  }
+  for (auto& thread : threads) thread.join();
 }
 
 void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
@@ -81,33 +128,7 @@ void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
     }
   };
 
-  std::vector<std::thread> workers;
-  workers.reserve(num_workers - 1);
-  RunningWorkers running;
-  try {
-    for (int i = 1; i < num_workers; ++i) {
-      running.started();
-      try {
-        workers.emplace_back([&] {
-          run_blocks(false);
-          running.finished();
-        });
-      } catch (...) {
-        running.finished();
-        throw;
-      }
-    }
-  } catch (...) {
-    record_error(std::current_exception());  // thread creation failed: stop and report
-  }
-  run_blocks(true);
-  try {
-    running.wait(interrupt);
-  } catch (...) {
-    record_error(std::current_exception());
-    running.wait(nullptr);
-  }
-  for (auto& worker : workers) worker.join();
+  run_on_threads(num_workers, [&](int worker) { run_blocks(worker == 0); }, interrupt, record_error);
   if (first_error) std::rethrow_exception(first_error);
   if (interrupt && interrupt->stop_requested()) throw Interrupted();
 }

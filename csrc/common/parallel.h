@@ -7,10 +7,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
-#include <mutex>
 #include <thread>
 
 namespace trainfast {
@@ -39,22 +38,13 @@ class Interrupt {
   std::atomic<bool> stop_{false};
 };
 
-// The worker threads of one call that are still running, so that the thread that started them
-// keeps polling its Interrupt while it waits for them: workers only read the stop flag, and a
-// Ctrl-C during another thread's long last item would otherwise wait for that item.
-class RunningWorkers {
- public:
-  void started();
-  void finished();
-  // Returns once no worker runs. Polls `interrupt` (if any) meanwhile and lets its Interrupted
-  // through, the stop flag set: wait again without it, then join.
-  void wait(Interrupt* interrupt);
-
- private:
-  std::mutex mutex_;
-  std::condition_variable done_;
-  int num_running_ = 0;
-};
+// Runs worker(0) on the calling thread and worker(1 .. num_workers - 1) on threads of their own,
+// and returns once all have ended. While it waits for the others, the calling thread keeps
+// polling `interrupt` (workers only read its stop flag, so a Ctrl-C during another thread's long
+// last item would otherwise wait for that item). Workers must not throw; `on_error` gets what
+// starting a thread or the polling threw (the others are still waited for).
+void run_on_threads(int num_workers, const std::function<void(int)>& worker, Interrupt* interrupt,
+                    const std::function<void(std::exception_ptr)>& on_error);
 
 // Runs body(begin, end) over [0, num_items) in blocks of block_size on up to num_threads threads
 // (the calling thread included, which also polls `interrupt`). The first exception thrown by any
