@@ -64,8 +64,7 @@ std::vector<int64_t> read_ids(const py::handle& ids) {
   const Py_ssize_t n = PyTuple_GET_SIZE(seq);
   std::vector<int64_t> out(static_cast<size_t>(n));
   for (Py_ssize_t k = 0; k < n; ++k) {
-    // Tens of millions of ids take a second or more: Ctrl-C must not wait for them all.
-    if ((k & 0xFFFF) == 0 && PyErr_CheckSignals() != 0) throw py::error_already_set();
+    check_signals_every_2_16(static_cast<uint64_t>(k));  // tens of millions of ids: seconds
     PyObject* item = PyTuple_GET_ITEM(seq, k);
     const py::object as_int = as_index(item);
     PyObject* value = as_int.ptr();

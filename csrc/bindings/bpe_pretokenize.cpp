@@ -76,7 +76,7 @@ py::list pretokenize(const py::str& text, int pattern, const py::list& special_t
   const bool ascii = PyUnicode_IS_ASCII(text.ptr());
   Py_ssize_t char_pos = 0;  // code point index of pieces[k].begin
   for (size_t k = 0; k < pieces.size(); ++k) {
-    if (k % (size_t{1} << 16) == 0 && PyErr_CheckSignals() != 0) throw py::error_already_set();
+    check_signals_every_2_16(k);
     const auto& piece = pieces[k];
     Py_ssize_t char_end;
     if (ascii) {

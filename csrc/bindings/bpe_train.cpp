@@ -25,10 +25,10 @@ FlatWords read_word_counts(const py::dict& word_counts) {
   PyObject* key = nullptr;
   PyObject* value = nullptr;
   Py_ssize_t pos = 0;
-  for (int64_t num_read = 0;; ++num_read) {
-    // Millions of words take a second or more: Ctrl-C must not wait for them all. Checked before
-    // taking the next pair, which a signal handler could otherwise free.
-    if ((num_read & 0xFFFF) == 0 && PyErr_CheckSignals() != 0) throw py::error_already_set();
+  for (uint64_t num_read = 0;; ++num_read) {
+    // Millions of words take seconds. Checked before taking the next pair, which a signal
+    // handler could otherwise free.
+    check_signals_every_2_16(num_read);
     if (!PyDict_Next(word_counts.ptr(), &pos, &key, &value)) break;
     if (!PyBytes_Check(key)) {
       throw py::type_error("word_counts keys must be bytes (got " +

@@ -323,7 +323,7 @@ ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
       if (stop < end) fast_run = 0;  // item `stop` needs the serial path
       continue;
     }
-    if ((i & 0xffff) == 0xffff && PyErr_CheckSignals() != 0) throw py::error_already_set();
+    check_signals_every_2_16(i);
     PyObject* item = PyList_GET_ITEM(items.ptr(), i);
     if (read_item_fast(ctx, last, item, out.is_bytes[i], out.sizes[i])) {
       ++num_fast;

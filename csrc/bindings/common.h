@@ -27,6 +27,12 @@ std::span<const T> span_1d(const CArray<T>& array, const char* name) {
   return {array.data(), static_cast<size_t>(array.shape(0))};
 }
 
+// Runs Python's signal handlers at step 0, 2^16, 2^17 ... of a loop that holds the GIL over
+// millions of items, and raises what they raise (Ctrl-C): such a loop never lets Python do it.
+inline void check_signals_every_2_16(uint64_t step) {
+  if ((step & 0xFFFF) == 0 && PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
 // Clears the pending Python error, which stands for bad input, so that the caller can say what
 // is wrong or take another path. Ctrl-C (KeyboardInterrupt, as anything not an Exception) and
 // MemoryError are never swallowed: they propagate from here.
