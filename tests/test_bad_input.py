@@ -766,3 +766,48 @@ def test_cli_output_into_a_closed_pipe_is_quiet():
     script = f"{sys.executable} -m trainfast.cli pipeline --pp 5000 --num-layers 5000 | head -1"
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert result.stdout.startswith("pp rank") and result.stderr == ""
+
+
+@pytest.mark.parametrize("cls_name", ["BpeEncoder", "BpePretokenCounter", "BpeWordTable", "EplbReplication"])
+def test_native_objects_made_without_init_raise(cls_name):
+    """`cls.__new__(cls)` skips __init__ (and is the only way to make the classes without a Python
+    constructor); pybind11 would run methods on uninitialised memory: crashed before."""
+    from trainfast import _core
+
+    cls = getattr(_core, cls_name)
+    blank = cls.__new__(cls)
+    never_initialised = pytest.raises(TypeError, match="never initialised")
+    calls = {
+        "BpeEncoder": [
+            lambda: blank.encode("abc"),
+            lambda: blank.encode_batch(["abc"], 1),
+            lambda: blank.encode_prefix("abc"),
+            lambda: blank.encode_pieces([b"abc"]),
+            lambda: blank.decode([1, 2]),
+            lambda: blank.decode_bytes([1, 2]),
+        ],
+        "BpePretokenCounter": [
+            lambda: blank.add_documents(["abc"]),
+            lambda: blank.add_file(__file__),
+            lambda: blank.finish(),
+            lambda: blank.finish_table(),
+            lambda: blank.finish_arrays(),
+        ],
+        "BpeWordTable": [lambda: len(blank), lambda: _core.bpe_train_merges_table(blank, 3)],
+        "EplbReplication": [
+            lambda: blank.replica_loads,
+            lambda: _core.eplb_place(blank, np.zeros(0, np.int64), False, False, 1),
+        ],
+    }[cls_name]
+    for call in calls:
+        with never_initialised:
+            call()
+    # Another object in its place (a method called on the class with a wrong self).
+    wrong_object = {
+        "BpeEncoder": lambda: cls.encode(0, "abc"),
+        "BpePretokenCounter": lambda: cls.finish(0),
+        "BpeWordTable": lambda: _core.bpe_train_merges_table(0, 3),
+        "EplbReplication": lambda: _core.eplb_place(0, np.zeros(0, np.int64), False, False, 1),
+    }[cls_name]
+    with pytest.raises(TypeError, match=rf"expected a trainfast\._core\.{cls_name} \(got int\)"):
+        wrong_object()

@@ -216,15 +216,15 @@ void register_bpe_encode(py::module_& m) {
            py::arg("tokens"), py::arg("ids").noconvert(), py::arg("merge_left").noconvert(),
            py::arg("merge_right").noconvert(), py::arg("merge_result").noconvert(), py::arg("special_tokens"),
            py::arg("special_ids").noconvert(), py::arg("pattern"))
-      .def("encode", &Encoder::encode, py::arg("text"), "Token ids of text (list[int]).")
-      .def("encode_batch", &Encoder::encode_batch, py::arg("texts"), py::arg("num_threads"),
+      .def("encode", method(&Encoder::encode), py::arg("text"), "Token ids of text (list[int]).")
+      .def("encode_batch", method(&Encoder::encode_batch), py::arg("texts"), py::arg("num_threads"),
            "Token ids of each text, on up to num_threads threads.")
-      .def("encode_prefix", &Encoder::encode_prefix, py::arg("text"),
+      .def("encode_prefix", method(&Encoder::encode_prefix), py::arg("text"),
            "(ids, num_chars): ids of the longest safely encodable prefix of text and its length.")
-      .def("encode_pieces", &Encoder::encode_pieces, py::arg("pieces"),
+      .def("encode_pieces", method(&Encoder::encode_pieces), py::arg("pieces"),
            "Ids of pre-tokens given as bytes, each merged on its own.")
-      .def("decode_bytes", &Encoder::decode_bytes, py::arg("ids"), "Concatenated token bytes of ids.")
-      .def("decode", &Encoder::decode, py::arg("ids"), "Text of ids; invalid UTF-8 becomes U+FFFD.");
+      .def("decode_bytes", method(&Encoder::decode_bytes), py::arg("ids"), "Concatenated token bytes of ids.")
+      .def("decode", method(&Encoder::decode), py::arg("ids"), "Text of ids; invalid UTF-8 becomes U+FFFD.");
 }
 
 }  // namespace trainfast::bindings

@@ -316,12 +316,12 @@ void register_bpe_pretokenize(py::module_& m) {
       .def(py::init<int, const py::list&, int, int, size_t, size_t>(), py::arg("pattern"),
            py::arg("special_tokens"), py::arg("errors"), py::arg("num_threads"), py::arg("chunk_bytes") = 0,
            py::arg("block_bytes") = 0)
-      .def("add_file", &Counter::add_file, py::arg("path"), py::arg("progress") = py::none())
-      .def("add_documents", &Counter::add_documents, py::arg("documents"), py::arg("first_index") = 0,
+      .def("add_file", method(&Counter::add_file), py::arg("path"), py::arg("progress") = py::none())
+      .def("add_documents", method(&Counter::add_documents), py::arg("documents"), py::arg("first_index") = 0,
            py::arg("progress") = py::none())
-      .def("finish", &Counter::finish, "dict[bytes, int] in first-occurrence order; empties the counter.")
-      .def("finish_table", &Counter::finish_table, "finish() as a native BpeWordTable (no dict); empties the counter.")
-      .def("finish_arrays", &Counter::finish_arrays,
+      .def("finish", method(&Counter::finish), "dict[bytes, int] in first-occurrence order; empties the counter.")
+      .def("finish_table", method(&Counter::finish_table), "finish() as a native BpeWordTable (no dict); empties the counter.")
+      .def("finish_arrays", method(&Counter::finish_arrays),
            "(uint8 key bytes, uint64 offsets[n + 1], int64 counts[n]) in first-occurrence order; empties the counter.");
 }
 

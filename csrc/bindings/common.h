@@ -66,6 +66,37 @@ std::vector<T> snapshot(std::span<const T> values) {
   return {values.begin(), values.end()};
 }
 
+// The bound object of class T in `obj`. `T.__new__(T)` makes an instance whose __init__ never ran
+// (for a class with no Python constructor, the only way to make one), and pybind11 would hand a
+// method lazily allocated, uninitialised memory for it: a TypeError here instead of a crash.
+template <typename T>
+T& constructed(py::handle obj) {
+  const py::detail::type_info* type = py::detail::get_type_info(typeid(T), /*throw_if_missing=*/true);
+  const std::string name = type->type->tp_name;
+  if (!PyObject_TypeCheck(obj.ptr(), type->type)) {
+    throw py::type_error("expected a " + name + " (got " + std::string(Py_TYPE(obj.ptr())->tp_name) + ")");
+  }
+  auto holder = reinterpret_cast<py::detail::instance*>(obj.ptr())->get_value_and_holder(type);
+  if (!holder.holder_constructed()) {
+    throw py::type_error("this " + name + " was never initialised (made by __new__ without __init__)");
+  }
+  return *holder.template value_ptr<T>();
+}
+
+// A method of T for py::class_::def whose self is taken through constructed().
+template <typename T, typename Result, typename... Args>
+auto method(Result (T::*member)(Args...)) {
+  return [member](py::handle self, Args... args) -> Result {
+    return (constructed<T>(self).*member)(std::forward<Args>(args)...);
+  };
+}
+template <typename T, typename Result, typename... Args>
+auto method(Result (T::*member)(Args...) const) {
+  return [member](py::handle self, Args... args) -> Result {
+    return (constructed<T>(self).*member)(std::forward<Args>(args)...);
+  };
+}
+
 // Moves a vector into a NumPy array that owns it (no copy); torch.from_numpy then shares it too.
 template <typename T, typename Allocator>
 py::array_t<T> to_numpy(std::vector<T, Allocator>&& values, std::vector<py::ssize_t> shape = {}) {

@@ -52,9 +52,11 @@ std::shared_ptr<eplb::Replication> replicate(const CArray<float>& weight, int64_
   return out;
 }
 
-py::tuple place(const std::shared_ptr<eplb::Replication>& replication, const CArray<int64_t>& replica_order,
-                bool refine, bool avoid_gpu_duplicates, int num_threads) {
-  if (!replication) throw py::value_error("replication must not be None");
+py::tuple place(py::handle replication_object, const CArray<int64_t>& replica_order, bool refine,
+                bool avoid_gpu_duplicates, int num_threads) {
+  if (replication_object.is_none()) throw py::value_error("replication must not be None");
+  // The caller's reference keeps the object alive while the GIL is released.
+  const eplb::Replication& replication = constructed<eplb::Replication>(replication_object);
   const std::vector<int64_t> order_copy = snapshot(flat(replica_order));
   const std::span<const int64_t> order_span(order_copy);
   eplb::PlaceOptions options{refine, avoid_gpu_duplicates};
@@ -62,9 +64,9 @@ py::tuple place(const std::shared_ptr<eplb::Replication>& replication, const CAr
   eplb::Placement placement;
   {
     py::gil_scoped_release release;
-    placement = eplb::place(*replication, order_span, options, num_threads, &interrupt);
+    placement = eplb::place(replication, order_span, options, num_threads, &interrupt);
   }
-  const auto& s = replication->shape;
+  const auto& s = replication.shape;
   return py::make_tuple(
       buffer_to_numpy(std::move(placement.phy2log), {s.num_layers, s.num_physical}),
       buffer_to_numpy(std::move(placement.log2phy), {s.num_layers, s.num_logical, placement.max_count}),
@@ -163,7 +165,7 @@ void register_eplb(py::module_& m) {
       .def_property_readonly(
           "replica_loads",
           [](py::object self) {
-            auto& rep = self.cast<eplb::Replication&>();
+            auto& rep = constructed<eplb::Replication>(self);
             const auto& s = rep.shape;
             // A view kept alive by the replication object (writes affect only this object).
             return py::array_t<float>({s.num_layers * s.num_nodes, s.physical_per_node()}, rep.replica_loads.data(),
