@@ -99,15 +99,17 @@ py::array_t<int64_t> pretokenize_ends(const py::str& text, int pattern) {
   const std::string_view utf8 = utf8_of(text, owner, true, "text");
   const Pattern scanner = to_pattern(pattern);
   std::vector<int64_t> char_ends;
+  Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
     std::vector<size_t> ends;
-    bpe::pretokenize(utf8, scanner, ends);
+    bpe::pretokenize(utf8, scanner, ends, &interrupt);
     char_ends.reserve(ends.size());
     int64_t chars = 0;
     size_t b = 0;
-    for (size_t end : ends) {
-      for (; b < end; ++b) chars += (static_cast<uint8_t>(utf8[b]) & 0xC0) != 0x80;
+    for (size_t k = 0; k < ends.size(); ++k) {
+      if ((k & 0xFFFF) == 0) interrupt.check();
+      for (; b < ends[k]; ++b) chars += (static_cast<uint8_t>(utf8[b]) & 0xC0) != 0x80;
       char_ends.push_back(chars);
     }
   }
