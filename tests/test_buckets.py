@@ -571,6 +571,12 @@ def test_shard_ranges_bad_input():
     unpadded = buckets.plan_layout([100, 27], use_distributed_optimizer=False)
     with pytest.raises(ValueError, match="data_parallel_world_size"):
         buckets.shard_ranges(unpadded, 2)
+    # No buckets, so any dp divides them: every rank's rows would need one offset per rank (that
+    # count plus one overflowed int64: UBSan stopped here); one rank's rows need none.
+    empty = buckets.plan_layout([])
+    with pytest.raises(ValueError, match="data_parallel_world_size"):
+        buckets.shard_ranges(empty, 2**63 - 1)
+    assert buckets.shard_ranges(empty, 2**63 - 1, rank=2**63 - 2).rank.numel() == 0
 
 
 def test_partition_bad_input():

@@ -174,7 +174,9 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
                  "must not overlap the previous param of its bucket");
   }
   const int64_t num_ranks = rank_end - rank_begin;
-  check_output_fits("shard_ranges: the per-rank row offsets", num_ranks + 1, sizeof(int64_t));
+  // num_ranks itself (up to 2^63 - 1) is checked: num_ranks + 1 could overflow.
+  check_output_fits("shard_ranges: the row offsets (one per rank of data_parallel_world_size)", num_ranks,
+                    sizeof(int64_t));
   // A non-empty param [s, e) of a bucket at `offset` with shards of `shard` elements overlaps
   // exactly the ranks (s - offset) / shard .. (e - 1 - offset) / shard.
   auto rank_span = [&](int64_t k, int64_t* first, int64_t* last) {
