@@ -740,6 +740,28 @@ def test_counter_refuses_use_after_a_failed_call(tmp_path):
     assert fresh.finish() == {b"hello": 1, b" world": 1}
 
 
+def test_counter_breaks_when_a_later_run_of_documents_fails():
+    """str and bytes documents are counted run by run: a bad bytes document after a str one failed
+    the call with the str run counted, and finish() then gave those partial counts silently."""
+    counter = _core.BpePretokenCounter(0, [], 0, 1)
+    with pytest.raises(ValueError, match=r"inputs\[1\]"):
+        counter.add_documents(["ok doc", b"\xff bad", "more"])
+    with pytest.raises(RuntimeError, match="failed in an earlier call"):
+        counter.finish()
+    # The last progress report comes after everything is counted; if it raises, so does the call.
+    for add in (lambda c, progress: c.add_documents(["hello world"], 0, progress),
+                lambda c, progress: c.add_file(__file__, progress)):
+        counter = _core.BpePretokenCounter(0, [], 0, 1)
+
+        def progress(done):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            add(counter, progress)
+        with pytest.raises(RuntimeError, match="failed in an earlier call"):
+            counter.finish()
+
+
 def test_counter_rejects_use_from_its_own_progress_callback():
     counter = _core.BpePretokenCounter(0, [], 0, 1, chunk_bytes=16)
     errors = []

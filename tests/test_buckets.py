@@ -879,3 +879,19 @@ def test_out_of_range_offsets_in_a_real_buffer(start):
     buffer.param_index_map = {"p": (start, start + 4, 0)}
     with pytest.raises(ValueError, match="starts must be in"):
         buckets.build_model_gbuf_range(buffer, 0)
+
+
+def test_indexed_range_map_rechecks_offsets_rewritten_by_range_type():
+    """The snapshot's offset arrays belong to the caller, and range_type (Python code) runs between
+    the up-front check and the reads: an offset rewritten meanwhile overflowed int64 (UBSan)."""
+    index_map = {"a": (0, 10, 0), "b": (10, 20, 0)}
+    keys, values, starts, ends, max_end, starts_sorted, version = _core.buckets_index_snapshot(index_map)
+
+    class Range:
+        def __init__(self, lo, hi):
+            starts[1], ends[1] = -(2**63), 2**63 - 1
+            self.lo, self.hi = lo, hi
+
+    with pytest.raises(ValueError, match="offsets must be in"):
+        _core.buckets_param_range_map_indexed(
+            index_map, keys, values, starts, ends, max_end, starts_sorted, version, 5, 15, 0, Range)

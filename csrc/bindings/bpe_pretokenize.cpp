@@ -173,7 +173,7 @@ class Counter {
       py::gil_scoped_release release;
       counter_->add_file(path, &interrupt, &bytes_done);
     }
-    if (!progress.is_none()) progress(bytes_done.load());
+    report_done(progress, bytes_done.load());
   }
 
   void add_documents(const py::list& documents, int64_t first_index, const py::object& progress) {
@@ -213,12 +213,30 @@ class Counter {
         if (!is_text[begin]) {
           for (size_t k = begin; k < end; ++k) names.push_back("inputs[" + std::to_string(first_index + static_cast<int64_t>(k)) + "]");
         }
-        counter_->add_documents(std::span<const std::string_view>(views.data() + begin, end - begin),
-                                is_text[begin] != 0, names, &interrupt, &bytes_done);
+        try {
+          counter_->add_documents(std::span<const std::string_view>(views.data() + begin, end - begin),
+                                  is_text[begin] != 0, names, &interrupt, &bytes_done);
+        } catch (...) {
+          // The earlier runs are counted: the call fails part-way, as a failing run does alone.
+          if (begin > 0) counter_->mark_broken();
+          throw;
+        }
         begin = end;
       }
     }
-    if (!progress.is_none()) progress(bytes_done.load());
+    report_done(progress, bytes_done.load());
+  }
+
+  // The last progress report. Everything is counted by then, but the call fails if it raises, and
+  // a call that fails once counting has begun leaves the counter broken (the core's rule).
+  void report_done(const py::object& progress, int64_t bytes_done) {
+    if (progress.is_none()) return;
+    try {
+      progress(bytes_done);
+    } catch (...) {
+      counter_->mark_broken();
+      throw;
+    }
   }
 
   // (bytes, offsets uint64[n + 1], counts int64[n]): pre-token k is bytes[offsets[k]:offsets[k + 1]].

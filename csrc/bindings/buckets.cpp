@@ -500,11 +500,16 @@ py::object param_range_map_indexed(const py::dict& param_world_index_map, const 
       param_key("param");
   py::dict out;
   for (size_t i = lo; i < hi; ++i) {
-    const int64_t local_start = std::max<int64_t>(0, starts[i] - world_start);
-    const int64_t local_end = std::min(world_size, ends[i] - world_start);
+    // Read once and checked again: range_type is Python code, which may rewrite the arrays.
+    const int64_t start = starts[i], end = ends[i];
+    if (!offset_in_range(start) || !offset_in_range(end)) {
+      throw py::value_error("param_world_index_map offsets must be in (-2^62, 2^62)");
+    }
+    const int64_t local_start = std::max<int64_t>(0, start - world_start);
+    const int64_t local_end = std::min(world_size, end - world_start);
     if (local_end <= local_start) continue;
     const int64_t size = local_end - local_start;
-    const int64_t sub_start = std::max<int64_t>(0, world_start - starts[i]);
+    const int64_t sub_start = std::max<int64_t>(0, world_start - start);
     py::dict ranges;
     ranges[gbuf_world] = range_type(local_start + world_start, local_end + world_start);
     ranges[in_bucket] = range_type(local_start + world_start - bucket_offset, local_end + world_start - bucket_offset);
