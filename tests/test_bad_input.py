@@ -478,6 +478,10 @@ CASES += [
     Case("trainfast checkpoint (CLI)", "malformed string", lambda: _cli("checkpoint", "--layers", "4x"), ValueError, "--layers"),
     Case("trainfast checkpoint (CLI)", "negative", lambda: _cli("checkpoint", "--layers", "-1"), ValueError, "layers"),
     Case("trainfast pipeline (CLI)", "zero", lambda: _cli("pipeline", "--pp", "0"), ValueError, "pp"),
+    Case("trainfast checkpoint (CLI)", "output too large for memory", lambda: _cli("checkpoint", "--layers", "1", "--bins", "99999999999999"), ValueError, "--bins"),
+    Case("trainfast pipeline (CLI)", "negative", lambda: _cli("pipeline", "--method", "balanced", "--random-costs", "-1"), ValueError, "--random-costs"),
+    Case("trainfast pipeline (CLI)", "negative", lambda: _cli("pipeline", "--method", "balanced", "--random-costs", "1", "--num-layers", "-3"), ValueError, "--num-layers"),
+    Case("trainfast pipeline (CLI)", "output too large for memory", lambda: _cli("pipeline", "--method", "balanced", "--random-costs", "1", "--num-layers", str(2**62)), ValueError, "--num-layers"),
     Case("trainfast pipeline (CLI)", "NaN/inf", lambda: _cli("pipeline", "--method", "balanced", "--costs", "1,nan,1,1", "--pp", "2"), ValueError, "cost"),
     Case("trainfast pipeline (CLI)", "malformed string", lambda: _cli("pipeline", "--method", "paddle", "--stage-ids", "0,x", "--pp", "2"), ValueError, "stage"),
     Case("trainfast pipeline (CLI)", "wrong value", lambda: _cli("pipeline", "--method", "bogus"), ValueError, "--method"),
@@ -811,3 +815,14 @@ def test_native_objects_made_without_init_raise(cls_name):
     }[cls_name]
     with pytest.raises(TypeError, match=rf"expected a trainfast\._core\.{cls_name} \(got int\)"):
         wrong_object()
+
+
+def test_cli_out_of_memory_is_an_error_line_not_a_traceback(monkeypatch):
+    from trainfast.cli import checkpoint as cli_checkpoint
+
+    def run(*args):
+        raise MemoryError
+
+    monkeypatch.setattr(cli_checkpoint, "run", run)
+    with pytest.raises(ValueError, match="trainfast checkpoint: error: out of memory for these arguments"):
+        _cli("checkpoint", "--layers", "100000000")

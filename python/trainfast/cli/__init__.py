@@ -49,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as error:
         logging.getLogger("trainfast").error("trainfast %s: error: %s", args.command, error)
         return 2
+    except MemoryError:  # sizes asked on the command line (--layers, --bins ...) beyond this machine
+        logging.getLogger("trainfast").error("trainfast %s: error: out of memory for these arguments", args.command)
+        return 2
     except KeyboardInterrupt:
         return 130
 

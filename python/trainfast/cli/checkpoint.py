@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from trainfast._util import check_int
+from trainfast._util import MAX_NUM_THREADS, check_int
 
 _NAME = "checkpoint"
 
@@ -40,7 +40,7 @@ def run(num_layers: int, bins: int, seed: int) -> int:
     from trainfast.checkpoint import balance_ratio, split_by_size_and_type, write_item_sizes
 
     check_int(num_layers, "--layers", min_value=1)
-    check_int(bins, "--bins", min_value=1)
+    check_int(bins, "--bins", min_value=1, max_value=MAX_NUM_THREADS)  # one printed column per bin
     items = gpt_write_items(num_layers=num_layers, seed=seed)
     print(f"checkpoint: binning a GPT write plan of {len(items):,} items into {bins} writer threads")
     modes = [("Megatron sizing (chunk)", "chunk", "upstream"), ("torch DCP sizing (global)", "global", "upstream"),

@@ -6,6 +6,8 @@ import argparse
 import time
 from typing import Any
 
+from trainfast._util import check_int
+
 _NAME = "pipeline"
 _METHODS = ("megatron", "uneven", "paddle", "balanced", "layout")
 
@@ -58,7 +60,10 @@ def _handle(args: argparse.Namespace) -> int:
     if args.random_costs is not None:
         import numpy as np
 
-        costs = np.random.default_rng(args.random_costs).uniform(0.5, 1.5, num_layers or 32).tolist()
+        seed = check_int(args.random_costs, "--random-costs", min_value=0)
+        if num_layers is not None:  # drawn as a list of Python floats: 2^27 of them take ~4 GiB
+            check_int(num_layers, "--num-layers", min_value=0, max_value=2**27)
+        costs = np.random.default_rng(seed).uniform(0.5, 1.5, num_layers or 32).tolist()
     if num_layers is None:
         num_layers = len(costs) if costs is not None else 32
     if args.method == "layout":
