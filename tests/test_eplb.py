@@ -632,3 +632,13 @@ def test_log2phy_too_large_is_refused():
     weight[0, 0] = 1
     with pytest.raises(ValueError, match="log2phy .* would need"):
         eplb.rebalance_experts(weight, 2**19, 1, 1, 1)
+
+
+def test_native_replicate_names_num_replicas_past_2_31():
+    """num_layers * num_replicas overflowing int64 was reported as "weight is too large"."""
+    from trainfast import _core
+
+    weight = np.asarray(README_WEIGHT, dtype=np.float32)
+    empty = np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.int64)
+    with pytest.raises(ValueError, match="num_replicas must be < 2.31"):
+        _core.eplb_replicate(weight, 2**62, 4, 2, 8, *empty, 1)

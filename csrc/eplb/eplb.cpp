@@ -546,10 +546,11 @@ void check_shape(const Shape& s) {
                "must be a multiple of num_gpus");
   TF_CHECK_ARG(s.num_physical >= s.num_logical, "num_replicas", s.num_physical,
                "must be >= the number of logical experts");
+  // First: past it, a product too large can only come from the weight's rows.
+  TF_CHECK_ARG(s.num_physical < (int64_t{1} << 31), "num_replicas", s.num_physical, "must be < 2^31");
   TF_CHECK_ARG(checked_mul(s.num_layers, s.num_physical).has_value() &&
                    checked_mul(s.num_layers, s.num_logical).has_value(),
                "weight", s.num_layers, "is too large");
-  TF_CHECK_ARG(s.num_physical < (int64_t{1} << 31), "num_replicas", s.num_physical, "must be < 2^31");
   // phy2log and the working copies: about 6 int64 per physical slot (log2phy, whose width is
   // known only after replication, is checked where it is sized).
   check_output_fits("rebalance_experts: the placement of num_layers x num_replicas slots",
