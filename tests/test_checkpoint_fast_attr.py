@@ -257,6 +257,21 @@ def test_item_list_emptied_while_reading():
         checkpoint.split_by_size_and_type(2, items)
 
 
+def test_item_list_grown_by_its_last_item():
+    """Growth after the last item is read was an internal "bin plan does not cover every item"."""
+    items = [tensor_item("a", (2,))]
+
+    class Grows:
+        @property
+        def type(self):
+            items.append(byte_item("late"))
+            return WriteItemType.BYTE_IO
+
+    items.append(Grows())
+    with pytest.raises(ValueError, match="changed length"):
+        checkpoint.split_by_size_and_type(2, items)
+
+
 # --- large plans: runs of plain items are read on worker threads ------------------------------------
 
 
