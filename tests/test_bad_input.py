@@ -806,14 +806,14 @@ def test_native_objects_made_without_init_raise(cls_name):
     for call in calls:
         with never_initialised:
             call()
-    # Another object in its place (a method called on the class with a wrong self).
+    # Another object in its place (a method called on the class with a wrong self): no match.
     wrong_object = {
         "BpeEncoder": lambda: cls.encode(0, "abc"),
         "BpePretokenCounter": lambda: cls.finish(0),
         "BpeWordTable": lambda: _core.bpe_train_merges_table(0, 3),
         "EplbReplication": lambda: _core.eplb_place(0, np.zeros(0, np.int64), False, False, 1),
     }[cls_name]
-    with pytest.raises(TypeError, match=rf"expected a trainfast\._core\.{cls_name} \(got int\)"):
+    with pytest.raises(TypeError, match=rf"incompatible function arguments(.|\n)*trainfast\._core\.{cls_name}"):
         wrong_object()
 
 

@@ -748,18 +748,31 @@ def test_counter_breaks_when_a_later_run_of_documents_fails():
         counter.add_documents(["ok doc", b"\xff bad", "more"])
     with pytest.raises(RuntimeError, match="failed in an earlier call"):
         counter.finish()
-    # The last progress report comes after everything is counted; if it raises, so does the call.
-    for add in (lambda c, progress: c.add_documents(["hello world"], 0, progress),
-                lambda c, progress: c.add_file(__file__, progress)):
+    # The last progress report comes after everything is counted (the reports while counting run
+    # inside the core's own guard): Ctrl-C there fails the call; other errors are ignored there too.
+    total = {"docs": len("hello world"), "file": os.path.getsize(__file__)}
+    for source, error in itertools.product(total, (KeyboardInterrupt, ValueError)):
         counter = _core.BpePretokenCounter(0, [], 0, 1)
+        calls = []
 
         def progress(done):
-            raise KeyboardInterrupt
+            calls.append(done)
+            if done == total[source]:
+                raise error
 
-        with pytest.raises(KeyboardInterrupt):
-            add(counter, progress)
-        with pytest.raises(RuntimeError, match="failed in an earlier call"):
-            counter.finish()
+        if source == "docs":
+            call = lambda: counter.add_documents(["hello world"], 0, progress)  # noqa: E731
+        else:
+            call = lambda: counter.add_file(__file__, progress)  # noqa: E731
+        if error is KeyboardInterrupt:
+            with pytest.raises(KeyboardInterrupt):
+                call()
+            with pytest.raises(RuntimeError, match="failed in an earlier call"):
+                counter.finish()
+        else:
+            call()
+            assert counter.finish()
+        assert calls[-1] == total[source] and calls.count(total[source]) == 1, calls
 
 
 def test_counter_rejects_use_from_its_own_progress_callback():

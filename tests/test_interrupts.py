@@ -226,7 +226,7 @@ def test_pretokenize(sigint_repeatedly):
 def test_pretokenize_ends(sigint_repeatedly):
     # The tests' native entry point (pre-token ends as code point offsets): ~5 s uninterrupted.
     code_points = np.array([ord(c) for c in "abcdéжзи中文    \n"], dtype="<u4")
-    indices = np.random.default_rng(4).integers(0, len(code_points), 96 << 20)
+    indices = np.random.default_rng(4).integers(0, len(code_points), 96 << 20, dtype=np.uint8)
     text = code_points[indices].tobytes().decode("utf-32-le")
     _core.bpe_pretokenize_ends(text[:1000], 0)
     _assert_stops_cleanly(sigint_repeatedly, lambda: _core.bpe_pretokenize_ends(text, 0))

@@ -227,13 +227,15 @@ class Counter {
     report_done(progress, bytes_done.load());
   }
 
-  // The last progress report. Everything is counted by then, but the call fails if it raises, and
-  // a call that fails once counting has begun leaves the counter broken (the core's rule).
+  // The last progress report, best effort as the ones while counting; a Ctrl-C that lands in it
+  // fails the call after everything is counted, and a call that fails once counting has begun
+  // leaves the counter broken (the core's rule).
   void report_done(const py::object& progress, int64_t bytes_done) {
     if (progress.is_none()) return;
     try {
       progress(bytes_done);
-    } catch (...) {
+    } catch (py::error_already_set& error) {
+      if (!error.matches(PyExc_KeyboardInterrupt)) return;
       counter_->mark_broken();
       throw;
     }

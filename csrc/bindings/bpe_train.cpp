@@ -115,8 +115,8 @@ py::list train_from_dict(const py::dict& word_counts, int64_t num_merges, const 
 
 // Consumes the table: taken over while the GIL is held (another thread may look at the Python
 // object), and its words are freed as soon as the merge loop has copied them.
-py::list train_from_table(py::handle table_object, int64_t num_merges, const py::object& progress) {
-  bpe::PretokenCounts& table = constructed<bpe::PretokenCounts>(table_object);
+py::list train_from_table(Self<bpe::PretokenCounts> table_arg, int64_t num_merges, const py::object& progress) {
+  bpe::PretokenCounts& table = *table_arg;
   bpe::PretokenCounts words = std::move(table);
   table = bpe::PretokenCounts();
   const std::vector<bpe::Merge> merges =
@@ -133,7 +133,7 @@ void register_bpe_train(py::module_& m) {
   py::class_<bpe::PretokenCounts>(m, "BpeWordTable",
                                   "Unique pre-tokens and their counts, kept native (from "
                                   "BpePretokenCounter.finish_table()).")
-      .def("__len__", [](py::handle self) { return constructed<bpe::PretokenCounts>(self).pretokens.size(); });
+      .def("__len__", [](Self<bpe::PretokenCounts> self) { return (*self).pretokens.size(); });
   m.def("bpe_train_merges", &train_from_dict, py::arg("word_counts"), py::arg("num_merges"),
         py::arg("progress") = py::none(),
         "BPE merges over {pre-token bytes: count}: [(left, right)] bytes pairs in creation order. "

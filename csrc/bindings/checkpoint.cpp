@@ -354,11 +354,12 @@ py::list split_write_items(const py::list& items, int64_t bins, const py::object
   check_output_fits("split_by_size_and_type: the list of bins", bins, 96);
   ItemArrays arrays =
       read_items(items, byte_io_type, element_sizes, global_sizing, refined, num_threads);
-  // The last item's properties may have grown the list (read_items catches shrinking).
+  const checkpoint::BinPlan plan = plan_without_gil(arrays.is_bytes, arrays.sizes, bins, refined);
+  // The last item's properties, or another thread while planning ran without the GIL, may have
+  // resized the list (read_items catches it shrinking while it reads).
   if (static_cast<size_t>(PyList_GET_SIZE(items.ptr())) != arrays.sizes.size()) {
     throw py::value_error("items changed length while being read");
   }
-  const checkpoint::BinPlan plan = plan_without_gil(arrays.is_bytes, arrays.sizes, bins, refined);
   py::list out(bins);
   std::vector<PyObject*> bin_lists(bins);
   for (int64_t b = 0; b < bins; ++b) {

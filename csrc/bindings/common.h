@@ -66,35 +66,39 @@ std::vector<T> snapshot(std::span<const T> values) {
   return {values.begin(), values.end()};
 }
 
-// The bound object of class T in `obj`. `T.__new__(T)` makes an instance whose __init__ never ran
-// (for a class with no Python constructor, the only way to make one), and pybind11 would hand a
-// method lazily allocated, uninitialised memory for it: a TypeError here instead of a crash.
+// The T inside `obj`, or nullptr when `obj` is no T. `T.__new__(T)` makes an instance whose
+// __init__ never ran (for a class with no Python constructor, the only way to make one), and
+// pybind11 would hand a method lazily allocated, uninitialised memory for it: a TypeError instead.
+// "Registered" is set for every instance pybind11 initialised, holder or not (one returned by
+// reference from C++ has none).
 template <typename T>
-T& constructed(py::handle obj) {
+T* bound_value(py::handle obj) {
   const py::detail::type_info* type = py::detail::get_type_info(typeid(T), /*throw_if_missing=*/true);
-  const std::string name = type->type->tp_name;
-  if (!PyObject_TypeCheck(obj.ptr(), type->type)) {
-    throw py::type_error("expected a " + name + " (got " + std::string(Py_TYPE(obj.ptr())->tp_name) + ")");
-  }
+  if (!PyObject_TypeCheck(obj.ptr(), type->type)) return nullptr;
   auto holder = reinterpret_cast<py::detail::instance*>(obj.ptr())->get_value_and_holder(type);
-  if (!holder.holder_constructed()) {
-    throw py::type_error("this " + name + " was never initialised (made by __new__ without __init__)");
+  if (!holder.instance_registered()) {
+    throw py::type_error("this " + std::string(type->type->tp_name) +
+                         " was never initialised (made by __new__ without __init__)");
   }
-  return *holder.template value_ptr<T>();
+  return holder.template value_ptr<T>();
 }
 
-// A method of T for py::class_::def whose self is taken through constructed().
+// A bound T taken as an argument (self included) through bound_value(): an object of another type
+// fails overload matching as usual, and signatures still name T.
+template <typename T>
+struct Self {
+  T* value = nullptr;
+  T& operator*() const { return *value; }
+};
+
+// A method of T for py::class_::def whose self is taken as Self<T>.
 template <typename T, typename Result, typename... Args>
 auto method(Result (T::*member)(Args...)) {
-  return [member](py::handle self, Args... args) -> Result {
-    return (constructed<T>(self).*member)(std::forward<Args>(args)...);
-  };
+  return [member](Self<T> self, Args... args) -> Result { return ((*self).*member)(std::forward<Args>(args)...); };
 }
 template <typename T, typename Result, typename... Args>
 auto method(Result (T::*member)(Args...) const) {
-  return [member](py::handle self, Args... args) -> Result {
-    return (constructed<T>(self).*member)(std::forward<Args>(args)...);
-  };
+  return [member](Self<T> self, Args... args) -> Result { return ((*self).*member)(std::forward<Args>(args)...); };
 }
 
 // Moves a vector into a NumPy array that owns it (no copy); torch.from_numpy then shares it too.
@@ -129,3 +133,22 @@ void register_bpe_train(py::module_& m);
 void register_bpe_encode(py::module_& m);
 
 }  // namespace trainfast::bindings
+
+namespace pybind11::detail {
+
+template <typename T>
+struct type_caster<trainfast::bindings::Self<T>> {
+  static constexpr auto name = make_caster<T>::name;
+  bool load(handle src, bool /*convert*/) {
+    value.value = trainfast::bindings::bound_value<T>(src);
+    return value.value != nullptr;
+  }
+  template <typename>
+  using cast_op_type = trainfast::bindings::Self<T>;
+  operator trainfast::bindings::Self<T>() const { return value; }
+
+ private:
+  trainfast::bindings::Self<T> value;
+};
+
+}  // namespace pybind11::detail

@@ -52,11 +52,10 @@ std::shared_ptr<eplb::Replication> replicate(const CArray<float>& weight, int64_
   return out;
 }
 
-py::tuple place(py::handle replication_object, const CArray<int64_t>& replica_order, bool refine,
+// The caller's reference keeps `replication` alive while the GIL is released.
+py::tuple place(Self<eplb::Replication> replication_arg, const CArray<int64_t>& replica_order, bool refine,
                 bool avoid_gpu_duplicates, int num_threads) {
-  if (replication_object.is_none()) throw py::value_error("replication must not be None");
-  // The caller's reference keeps the object alive while the GIL is released.
-  const eplb::Replication& replication = constructed<eplb::Replication>(replication_object);
+  const eplb::Replication& replication = *replication_arg;
   const std::vector<int64_t> order_copy = snapshot(flat(replica_order));
   const std::span<const int64_t> order_span(order_copy);
   eplb::PlaceOptions options{refine, avoid_gpu_duplicates};
@@ -165,10 +164,11 @@ void register_eplb(py::module_& m) {
       .def_property_readonly(
           "replica_loads",
           [](py::object self) {
-            auto& rep = constructed<eplb::Replication>(self);
-            const auto& s = rep.shape;
+            eplb::Replication* rep = bound_value<eplb::Replication>(self);
+            if (rep == nullptr) throw py::type_error("replica_loads is read from an EplbReplication");
+            const auto& s = rep->shape;
             // A view kept alive by the replication object (writes affect only this object).
-            return py::array_t<float>({s.num_layers * s.num_nodes, s.physical_per_node()}, rep.replica_loads.data(),
+            return py::array_t<float>({s.num_layers * s.num_nodes, s.physical_per_node()}, rep->replica_loads.data(),
                                       self);
           },
           "float32 [num_layers * num_nodes, num_replicas / num_nodes]: load / count of each replica.");

@@ -62,7 +62,7 @@ def _handle(args: argparse.Namespace) -> int:
 
         seed = check_int(args.random_costs, "--random-costs", min_value=0)
         if num_layers is not None:  # drawn as a list of Python floats: 2^27 of them take ~4 GiB
-            check_int(num_layers, "--num-layers", min_value=0, max_value=2**27)
+            check_int(num_layers, "--num-layers", min_value=1, max_value=2**27)
         costs = np.random.default_rng(seed).uniform(0.5, 1.5, num_layers or 32).tolist()
     if num_layers is None:
         num_layers = len(costs) if costs is not None else 32
