@@ -116,7 +116,19 @@ py::array_t<int64_t> pretokenize_ends(const py::str& text, int pattern) {
   return to_numpy(std::move(char_ends));
 }
 
-// Ctrl-C polling that also reports progress (bytes counted so far) to a Python callable.
+// Reports progress (bytes counted so far) to a Python callable, if any; the GIL is held. Progress
+// display is best effort: true only when a Ctrl-C landed in it, which still stops the count.
+bool report_progress(const py::object& progress, int64_t bytes_done) {
+  if (progress.is_none()) return false;
+  try {
+    progress(bytes_done);
+  } catch (py::error_already_set& error) {
+    return error.matches(PyExc_KeyboardInterrupt);
+  }
+  return false;
+}
+
+// Ctrl-C polling that also reports progress.
 Interrupt progress_interrupt(const py::object& progress, const std::atomic<int64_t>& bytes_done) {
   return Interrupt([&progress, &bytes_done] {
     py::gil_scoped_acquire gil;
@@ -124,15 +136,7 @@ Interrupt progress_interrupt(const py::object& progress, const std::atomic<int64
       PyErr_Clear();
       return true;
     }
-    if (!progress.is_none()) {
-      try {
-        progress(bytes_done.load(std::memory_order_relaxed));
-      } catch (py::error_already_set& error) {
-        // Progress display is best effort, but a Ctrl-C that lands in it still stops the count.
-        if (error.matches(PyExc_KeyboardInterrupt)) return true;
-      }
-    }
-    return false;
+    return report_progress(progress, bytes_done.load(std::memory_order_relaxed));
   }, std::chrono::milliseconds(100));
 }
 
@@ -227,18 +231,13 @@ class Counter {
     report_done(progress, bytes_done.load());
   }
 
-  // The last progress report, best effort as the ones while counting; a Ctrl-C that lands in it
-  // fails the call after everything is counted, and a call that fails once counting has begun
-  // leaves the counter broken (the core's rule).
+  // The last progress report. A Ctrl-C that lands in it fails the call after everything is
+  // counted, and a call that fails once counting has begun leaves the counter broken (the core's rule).
   void report_done(const py::object& progress, int64_t bytes_done) {
-    if (progress.is_none()) return;
-    try {
-      progress(bytes_done);
-    } catch (py::error_already_set& error) {
-      if (!error.matches(PyExc_KeyboardInterrupt)) return;
-      counter_->mark_broken();
-      throw;
-    }
+    if (!report_progress(progress, bytes_done)) return;
+    counter_->mark_broken();
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
   }
 
   // (bytes, offsets uint64[n + 1], counts int64[n]): pre-token k is bytes[offsets[k]:offsets[k + 1]].

@@ -133,7 +133,7 @@ void register_bpe_train(py::module_& m) {
   py::class_<bpe::PretokenCounts>(m, "BpeWordTable",
                                   "Unique pre-tokens and their counts, kept native (from "
                                   "BpePretokenCounter.finish_table()).")
-      .def("__len__", [](Self<bpe::PretokenCounts> self) { return (*self).pretokens.size(); });
+      .def("__len__", [](Self<bpe::PretokenCounts> self) { return self->pretokens.size(); });
   m.def("bpe_train_merges", &train_from_dict, py::arg("word_counts"), py::arg("num_merges"),
         py::arg("progress") = py::none(),
         "BPE merges over {pre-token bytes: count}: [(left, right)] bytes pairs in creation order. "

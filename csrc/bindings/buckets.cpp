@@ -471,11 +471,13 @@ py::object param_range_map_indexed(const py::dict& param_world_index_map, const 
       ends.size() != static_cast<size_t>(n) || running_max.size() != static_cast<size_t>(n)) {
     throw py::value_error("snapshot arrays must have one entry per key");
   }
-  for (Py_ssize_t i = 0; i < n; ++i) {  // as index_snapshot checked them: no overflow below
-    if (!offset_in_range(starts[i]) || !offset_in_range(ends[i])) {
+  // As index_snapshot checked them: no overflow in the differences below.
+  auto check_offsets = [](int64_t start, int64_t end) {
+    if (!offset_in_range(start) || !offset_in_range(end)) {
       throw py::value_error("param_world_index_map offsets must be in (-2^62, 2^62)");
     }
-  }
+  };
+  for (Py_ssize_t i = 0; i < n; ++i) check_offsets(starts[i], ends[i]);
   if (PyDict_GET_SIZE(param_world_index_map.ptr()) != n) return py::none();
   if (version == 0 || dict_version(param_world_index_map.ptr()) != version) {
     PyObject *key = nullptr, *value = nullptr;
@@ -502,9 +504,7 @@ py::object param_range_map_indexed(const py::dict& param_world_index_map, const 
   for (size_t i = lo; i < hi; ++i) {
     // Read once and checked again: range_type is Python code, which may rewrite the arrays.
     const int64_t start = starts[i], end = ends[i];
-    if (!offset_in_range(start) || !offset_in_range(end)) {
-      throw py::value_error("param_world_index_map offsets must be in (-2^62, 2^62)");
-    }
+    check_offsets(start, end);
     const int64_t local_start = std::max<int64_t>(0, start - world_start);
     const int64_t local_end = std::min(world_size, end - world_start);
     if (local_end <= local_start) continue;

@@ -89,6 +89,7 @@ template <typename T>
 struct Self {
   T* value = nullptr;
   T& operator*() const { return *value; }
+  T* operator->() const { return value; }
 };
 
 // A method of T for py::class_::def whose self is taken as Self<T>.
