@@ -183,6 +183,45 @@ def test_lone_surrogates_in_str(name):
     assert ends.tolist() == [m.end() for m in regex.finditer(PATTERNS[name], text)]
 
 
+# Strs are encoded as UTF-8 natively (in blocks of 2^20 code points), not by Python.
+ENCODE_BLOCK = 1 << 20
+
+
+@pytest.mark.parametrize("wide", ["\xe9", "\u4e2d", "\U0001f600"])  # Python stores 1, 2, 4 bytes per code point
+def test_str_encoding_across_blocks(wide):
+    rng = random.Random(7)
+    alphabet = ["a", " ", "\n", "'s", "7", "\xa0", "\xff", wide, "\u0301", "\u3000", "\U00010400"]
+    alphabet = [c for c in alphabet if max(map(ord, c)) <= ord(wide)]
+    text = "".join(rng.choice(alphabet) for _ in range(2 * ENCODE_BLOCK + 5000))
+    text = text[: ENCODE_BLOCK - 1] + wide + wide + text[ENCODE_BLOCK + 1 :]  # wide code points at the cut
+    pieces = pretokenize(text)
+    assert "".join(pieces) == text
+    ends = _core.bpe_pretokenize_ends(text, 0)
+    assert ends.tolist() == list(itertools.accumulate(map(len, pieces)))
+    # The bytes path reads UTF-8 as given: equal counts, order included, mean equal encodings.
+    from_str = count_pretokens(iter([text]), num_threads=2)
+    from_bytes = count_pretokens(iter([text.encode()]), num_threads=2)
+    assert list(from_str.items()) == list(from_bytes.items())
+
+
+def test_lone_surrogate_index_across_blocks():
+    text = "a" * ENCODE_BLOCK + "\u4e2d\udc00" + "b\ud800"
+    with pytest.raises(ValueError, match=rf"inputs\[2\] contains a lone surrogate \(at index {ENCODE_BLOCK + 1}\)"):
+        count_pretokens(iter(["x", b"y", text]))
+    # Pre-tokenizing keeps them (Python's "surrogatepass" form inside, the str's own code points out).
+    assert pretokenize(text) == ref.pretokenize(text, "gpt2")
+
+
+def test_strs_are_left_as_they_were():
+    # Python would cache a UTF-8 copy inside a non-ASCII str for as long as the str lives.
+    text = "na\xefve \u4e2d\u6587 " * 1000
+    size_before = sys.getsizeof(text)
+    pretokenize(text)
+    _core.bpe_pretokenize_ends(text, 0)
+    count_pretokens(iter([text]))
+    assert sys.getsizeof(text) == size_before
+
+
 def test_longest_special_token_wins():
     assert pretokenize("a<|end|>b", special_tokens=["<|", "<|end|>"]) == ["a", "<|end|>", "b"]
     assert pretokenize("a<|x", special_tokens=["<|", "<|end|>"]) == ["a", "<|", "x"]

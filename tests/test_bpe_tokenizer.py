@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import lzma
+import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +122,20 @@ def test_lone_surrogates_replaced_like_tiktoken(gpt2, tiktoken_enc):
         assert gpt2.encode(text) == tiktoken_enc.encode(text)
     assert gpt2.encode_batch(["a\ud800b", "ok"], num_threads=2) == [tiktoken_enc.encode("a\ud800b"),
                                                                     tiktoken_enc.encode("ok")]
+
+
+@pytest.mark.parametrize("wide", ["\xe9", "\u4e2d", "\U0001f600"])  # Python stores 1, 2, 4 bytes per code point
+def test_long_non_ascii_text_matches_tiktoken_and_is_left_as_it_was(gpt2, tiktoken_enc, wide):
+    # Longer than the native UTF-8 encoder's block (2^20 code points), with wide characters at its cut.
+    words = [w for w in ["the", " cat", "\n", " caf\xe9", "\xa0", " \u4e2d\u6587", "\U0001f600!", wide * 3] if max(map(ord, w)) <= ord(wide)]
+    rng = random.Random(3)
+    text = "".join(rng.choice(words) for _ in range(400_000))
+    text = text[: (1 << 20) - 1] + wide + wide + text[(1 << 20) + 1 :]
+    size_before = sys.getsizeof(text)
+    ids = gpt2.encode(text)
+    assert gpt2.encode_batch([text, "x"], num_threads=2) == [ids, [87]]
+    assert sys.getsizeof(text) == size_before  # no UTF-8 copy cached inside the str (tiktoken leaves one)
+    assert ids == tiktoken_enc.encode(text)
 
 
 @pytest.mark.parametrize("pattern", ["cl100k", "o200k"])

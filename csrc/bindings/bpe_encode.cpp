@@ -20,16 +20,19 @@ std::string_view bytes_view(const py::handle& obj, const std::string& name) {
   return {PyBytes_AS_STRING(obj.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(obj.ptr()))};
 }
 
-// UTF-8 of a str (cached by Python in the object); a lone surrogate raises UnicodeEncodeError.
-std::string_view utf8_view(const py::handle& obj, const std::string& name) {
+void add_str(StrsUtf8& texts, const py::handle& obj, const std::string& name) {
   if (!PyUnicode_Check(obj.ptr())) {
     throw py::type_error(name + " must be a str (got " +
                          std::string(py::str(py::type::handle_of(obj).attr("__name__"))) + ")");
   }
+  texts.add(obj);
+}
+
+// Python's own UnicodeEncodeError for a str with a lone surrogate (the tokenizer catches it).
+[[noreturn]] void raise_encode_error(const py::handle& text) {
   Py_ssize_t size = 0;
-  const char* data = PyUnicode_AsUTF8AndSize(obj.ptr(), &size);
-  if (data == nullptr) throw py::error_already_set();
-  return {data, static_cast<size_t>(size)};
+  if (PyUnicode_AsUTF8AndSize(text.ptr(), &size) == nullptr) throw py::error_already_set();
+  throw std::logic_error("a str with a lone surrogate encoded as UTF-8");
 }
 
 // A list of the ids, sharing one int object per id (`id_objects`) instead of allocating one each.
@@ -114,28 +117,36 @@ class Encoder {
   }
 
   py::list encode(const py::handle& text) {
-    const std::string_view utf8 = utf8_view(text, "text");
+    StrsUtf8 utf8;
+    add_str(utf8, text, "text");
     std::vector<uint32_t> ids;
     Interrupt interrupt = python_interrupt();
     {
       py::gil_scoped_release release;
-      encoder_->encode(utf8, ids, &interrupt);
+      utf8.encode(1, &interrupt);
+      if (utf8.first_surrogate_idx(0) < 0) encoder_->encode(utf8[0], ids, &interrupt);
     }
+    if (utf8.first_surrogate_idx(0) >= 0) raise_encode_error(text);
     return to_list(ids.data(), ids.size(), id_objects_);
   }
 
   py::list encode_batch(const py::list& texts, int num_threads) {
     // Our own references: another thread may empty the caller's list while the GIL is released.
     const py::tuple owned(texts);
-    std::vector<std::string_view> views;
-    views.reserve(owned.size());
-    for (size_t k = 0; k < owned.size(); ++k) views.push_back(utf8_view(owned[k], "texts[" + std::to_string(k) + "]"));
+    StrsUtf8 utf8;
+    for (size_t k = 0; k < owned.size(); ++k) add_str(utf8, owned[k], "texts[" + std::to_string(k) + "]");
     std::vector<std::vector<uint32_t>> results;
     Interrupt interrupt = python_interrupt();
+    size_t num_clean = 0;  // texts before the first with a lone surrogate
     {
       py::gil_scoped_release release;
-      results = encoder_->encode_batch(views, num_threads, &interrupt);
+      utf8.encode(std::max(1, num_threads), &interrupt);
+      std::vector<std::string_view> views;
+      views.reserve(utf8.size());
+      for (; num_clean < utf8.size() && utf8.first_surrogate_idx(num_clean) < 0; ++num_clean) views.push_back(utf8[num_clean]);
+      if (num_clean == utf8.size()) results = encoder_->encode_batch(views, num_threads, &interrupt);
     }
+    if (num_clean < utf8.size()) raise_encode_error(owned[num_clean]);
     py::list out(results.size());
     for (size_t k = 0; k < results.size(); ++k) {
       out[k] = to_list(results[k].data(), results[k].size(), id_objects_);
@@ -147,17 +158,24 @@ class Encoder {
   // Ids of the longest prefix of text that is safe to encode on its own, and its length in
   // characters (0 when no safe cut is known yet).
   py::tuple encode_prefix(const py::handle& text) {
-    const std::string_view utf8 = utf8_view(text, "text");
+    StrsUtf8 text_utf8;
+    add_str(text_utf8, text, "text");
+    std::string_view utf8;
     std::vector<uint32_t> ids;
     Interrupt interrupt = python_interrupt();
     size_t cut = 0;
     {
       py::gil_scoped_release release;
-      cut = encoder_->safe_cut(utf8, &interrupt);  // all of a text without one: long
-      encoder_->encode(utf8.substr(0, cut), ids, &interrupt);
+      text_utf8.encode(1, &interrupt);
+      utf8 = text_utf8[0];
+      if (text_utf8.first_surrogate_idx(0) < 0) {
+        cut = encoder_->safe_cut(utf8, &interrupt);  // all of a text without one: long
+        encoder_->encode(utf8.substr(0, cut), ids, &interrupt);
+      }
     }
+    if (text_utf8.first_surrogate_idx(0) >= 0) raise_encode_error(text);
     size_t num_chars = cut;
-    if (!PyUnicode_IS_ASCII(text.ptr())) {
+    if (!text_utf8.is_ascii(0)) {
       num_chars = 0;
       for (size_t b = 0; b < cut; ++b) num_chars += (static_cast<uint8_t>(utf8[b]) & 0xC0) != 0x80;
     }

@@ -32,19 +32,9 @@ Utf8Errors to_errors(int errors) {
   return static_cast<Utf8Errors>(errors);
 }
 
-// UTF-8 of a str; `owner` keeps alive a surrogatepass encoding when the str has lone surrogates.
-std::string_view utf8_of(const py::handle& text, py::object& owner, bool allow_surrogates, const std::string& name) {
-  Py_ssize_t size = 0;
-  const char* data = PyUnicode_AsUTF8AndSize(text.ptr(), &size);
-  if (data != nullptr) return {data, static_cast<size_t>(size)};
-  clear_input_error();
-  if (!allow_surrogates) {
-    throw py::value_error(name + " contains a lone surrogate, which has no UTF-8 encoding");
-  }
-  PyObject* encoded = PyUnicode_AsEncodedString(text.ptr(), "utf-8", "surrogatepass");
-  if (encoded == nullptr) throw py::error_already_set();
-  owner = py::reinterpret_steal<py::object>(encoded);
-  return {PyBytes_AS_STRING(encoded), static_cast<size_t>(PyBytes_GET_SIZE(encoded))};
+std::string lone_surrogate_message(const std::string& name, int64_t code_point_idx) {
+  return name + " contains a lone surrogate (at index " + std::to_string(code_point_idx) +
+         "), which has no UTF-8 encoding";
 }
 
 std::vector<std::string> special_token_bytes(const py::list& special_tokens) {
@@ -56,24 +46,32 @@ std::vector<std::string> special_token_bytes(const py::list& special_tokens) {
       throw py::type_error("special_tokens[" + std::to_string(k) + "] must be a str (got " +
                            std::string(py::str(py::type::handle_of(token).attr("__name__"))) + ")");
     }
-    py::object owner;
-    out.emplace_back(utf8_of(token, owner, false, "special_tokens[" + std::to_string(k) + "]"));
+    StrsUtf8 utf8;
+    utf8.add(token);
+    utf8.encode(1, nullptr);  // short: with the GIL held
+    if (utf8.first_surrogate_idx(0) >= 0) {
+      throw py::value_error(lone_surrogate_message("special_tokens[" + std::to_string(k) + "]", utf8.first_surrogate_idx(0)));
+    }
+    out.emplace_back(utf8[0]);
   }
   return out;
 }
 
 py::list pretokenize(const py::str& text, int pattern, const py::list& special_tokens) {
   const bpe::SpecialTokenMatcher specials(special_token_bytes(special_tokens));
-  py::object owner;
-  const std::string_view utf8 = utf8_of(text, owner, true, "text");
+  StrsUtf8 text_utf8;
+  text_utf8.add(text);
+  std::string_view utf8;
   std::vector<bpe::Piece> pieces;
   Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
+    text_utf8.encode(1, &interrupt);
+    utf8 = text_utf8[0];
     pieces = bpe::split_and_pretokenize(utf8, to_pattern(pattern), specials, &interrupt);
   }
   py::list out(pieces.size());
-  const bool ascii = PyUnicode_IS_ASCII(text.ptr());
+  const bool ascii = text_utf8.is_ascii(0);
   Py_ssize_t char_pos = 0;  // code point index of pieces[k].begin
   for (size_t k = 0; k < pieces.size(); ++k) {
     check_signals_every_2_16(k);
@@ -95,13 +93,15 @@ py::list pretokenize(const py::str& text, int pattern, const py::list& special_t
 
 // End offsets (in code points) of the pre-tokens of text, special tokens not split off.
 py::array_t<int64_t> pretokenize_ends(const py::str& text, int pattern) {
-  py::object owner;
-  const std::string_view utf8 = utf8_of(text, owner, true, "text");
+  StrsUtf8 text_utf8;
+  text_utf8.add(text);
   const Pattern scanner = to_pattern(pattern);
   std::vector<int64_t> char_ends;
   Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
+    text_utf8.encode(1, &interrupt);
+    const std::string_view utf8 = text_utf8[0];
     std::vector<size_t> ends;
     bpe::pretokenize(utf8, scanner, ends, &interrupt);
     char_ends.reserve(ends.size());
@@ -167,6 +167,7 @@ class Counter {
     if (chunk_bytes > 0) options.chunk_bytes = chunk_bytes;
     if (block_bytes > 0) options.block_bytes = block_bytes;
     counter_ = std::make_unique<bpe::PretokenCounter>(std::move(options));
+    num_threads_ = num_threads;
   }
 
   void add_file(const std::string& path, const py::object& progress) {
@@ -190,18 +191,19 @@ class Counter {
     std::vector<uint8_t> is_text(num_docs);
     std::vector<py::object> owners;  // keeps every document alive while the GIL is released
     owners.reserve(num_docs);
+    StrsUtf8 texts;
+    std::vector<size_t> text_docs;  // document index of each of texts
     for (size_t k = 0; k < num_docs; ++k) {
       py::handle doc = documents[k];
       owners.push_back(py::reinterpret_borrow<py::object>(doc));
-      const std::string name = "inputs[" + std::to_string(first_index + static_cast<int64_t>(k)) + "]";
       if (PyUnicode_Check(doc.ptr())) {
-        py::object owner;
-        views[k] = utf8_of(doc, owner, false, name);
+        texts.add(doc);
+        text_docs.push_back(k);
         is_text[k] = 1;
       } else if (PyBytes_Check(doc.ptr())) {
         views[k] = {PyBytes_AS_STRING(doc.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(doc.ptr()))};
       } else {
-        throw py::type_error(name + " must be str or bytes (got " +
+        throw py::type_error(document_name(first_index, k) + " must be str or bytes (got " +
                              std::string(py::str(py::type::handle_of(doc).attr("__name__"))) + ")");
       }
     }
@@ -209,13 +211,21 @@ class Counter {
     Interrupt interrupt = progress_interrupt(progress, bytes_done);
     {
       py::gil_scoped_release release;
+      // Every str is encoded before anything is counted: a lone surrogate fails the call cleanly.
+      texts.encode(num_threads_, &interrupt);
+      for (size_t j = 0; j < texts.size(); ++j) {
+        if (texts.first_surrogate_idx(j) >= 0) {
+          throw std::invalid_argument(lone_surrogate_message(document_name(first_index, text_docs[j]), texts.first_surrogate_idx(j)));
+        }
+        views[text_docs[j]] = texts[j];
+      }
       // Consecutive documents of one kind go together, keeping first-occurrence order.
       for (size_t begin = 0; begin < num_docs;) {
         size_t end = begin + 1;
         while (end < num_docs && is_text[end] == is_text[begin]) ++end;
         std::vector<std::string> names;
         if (!is_text[begin]) {
-          for (size_t k = begin; k < end; ++k) names.push_back("inputs[" + std::to_string(first_index + static_cast<int64_t>(k)) + "]");
+          for (size_t k = begin; k < end; ++k) names.push_back(document_name(first_index, k));
         }
         try {
           counter_->add_documents(std::span<const std::string_view>(views.data() + begin, end - begin),
@@ -300,7 +310,12 @@ class Counter {
   }
 
  private:
+  static std::string document_name(int64_t first_index, size_t k) {
+    return "inputs[" + std::to_string(first_index + static_cast<int64_t>(k)) + "]";
+  }
+
   std::unique_ptr<bpe::PretokenCounter> counter_;
+  int num_threads_ = 1;
   std::atomic<bool> busy_{false};
 };
 

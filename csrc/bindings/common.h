@@ -6,9 +6,11 @@
 
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/parallel.h"
+#include "common/utf8.h"
 
 namespace trainfast::bindings {
 
@@ -124,6 +126,50 @@ inline Interrupt python_interrupt() {
     return false;
   });
 }
+
+// The UTF-8 of str arguments without asking Python for it: Python encodes with the GIL held (about
+// a second per 100M non-ASCII characters, deaf to Ctrl-C) and keeps that copy inside the str for
+// its lifetime. ASCII strs are read in place; the others are encoded together by encode().
+class StrsUtf8 {
+ public:
+  // Takes text (a str) as number size(); the GIL is held.
+  void add(const py::handle& text) {
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(text.ptr()) < 0) throw py::error_already_set();
+#endif
+    texts_.push_back(py::reinterpret_borrow<py::object>(text));
+    if (PyUnicode_IS_ASCII(text.ptr())) {
+      encoded_idx_.push_back(-1);
+    } else {
+      encoded_idx_.push_back(static_cast<int64_t>(code_points_.size()));
+      code_points_.push_back({PyUnicode_DATA(text.ptr()), static_cast<int>(PyUnicode_KIND(text.ptr())),
+                              static_cast<size_t>(PyUnicode_GET_LENGTH(text.ptr()))});
+    }
+  }
+  // Needs no GIL; lone surrogates come out in their 3-byte form ("surrogatepass").
+  void encode(int num_threads, Interrupt* interrupt) { encoded_ = encode_utf8(code_points_, num_threads, interrupt); }
+
+  size_t size() const { return texts_.size(); }
+  bool is_ascii(size_t k) const { return encoded_idx_[k] < 0; }
+  // Text k's UTF-8, once encoded.
+  std::string_view operator[](size_t k) const {
+    if (is_ascii(k)) {
+      return {static_cast<const char*>(PyUnicode_DATA(texts_[k].ptr())), static_cast<size_t>(PyUnicode_GET_LENGTH(texts_[k].ptr()))};
+    }
+    const auto j = static_cast<size_t>(encoded_idx_[k]);
+    return {encoded_.bytes.data() + encoded_.offsets[j], encoded_.offsets[j + 1] - encoded_.offsets[j]};
+  }
+  // Code point index of text k's first lone surrogate (-1: none), once encoded.
+  int64_t first_surrogate_idx(size_t k) const {
+    return is_ascii(k) ? -1 : encoded_.first_surrogate_idx[static_cast<size_t>(encoded_idx_[k])];
+  }
+
+ private:
+  std::vector<py::object> texts_;    // keeps the code points alive while the GIL is released
+  std::vector<int64_t> encoded_idx_;  // per text: its index in code_points_, -1 when ASCII
+  std::vector<CodePoints> code_points_;
+  EncodedUtf8 encoded_;
+};
 
 void register_checkpoint(py::module_& m);
 void register_buckets(py::module_& m);

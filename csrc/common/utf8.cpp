@@ -1,6 +1,10 @@
 #include "common/utf8.h"
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
+
+#include "common/check.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -188,6 +192,131 @@ bool scan_utf8_simd(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* num_
 bool scan_utf8(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* num_crlf) {
   // A few bytes (the split rule's checks) are quicker one by one than padded to a 64-byte block.
   return n >= 64 ? scan_utf8_simd(s, n, num_cr, num_crlf) : scan_utf8_scalar(s, n, num_cr, num_crlf);
+}
+
+namespace {
+
+template <typename Unit>
+size_t utf8_size(const Unit* s, size_t n, int64_t* first_surrogate_idx) {
+  size_t size = n;
+  bool any_surrogate = false;
+  for (size_t k = 0; k < n; ++k) {
+    const uint32_t c = s[k];
+    size += (c >= 0x80) + (c >= 0x800) + (c >= 0x10000);
+    any_surrogate |= (c & ~uint32_t{0x7FF}) == 0xD800;
+  }
+  if (any_surrogate) {  // rare: a second pass keeps the first one vectorisable
+    for (size_t k = 0; k < n; ++k) {
+      if ((static_cast<uint32_t>(s[k]) & ~uint32_t{0x7FF}) == 0xD800) {
+        *first_surrogate_idx = static_cast<int64_t>(k);
+        break;
+      }
+    }
+  }
+  return size;
+}
+
+template <typename Unit>
+void write_utf8(const Unit* s, size_t n, char* out) {
+  for (size_t k = 0; k < n; ++k) {
+    const uint32_t c = s[k];
+    if (c < 0x80) {
+      *out++ = static_cast<char>(c);
+    } else if (c < 0x800) {
+      out[0] = static_cast<char>(0xC0 | (c >> 6));
+      out[1] = static_cast<char>(0x80 | (c & 0x3F));
+      out += 2;
+    } else if (c < 0x10000) {
+      out[0] = static_cast<char>(0xE0 | (c >> 12));
+      out[1] = static_cast<char>(0x80 | ((c >> 6) & 0x3F));
+      out[2] = static_cast<char>(0x80 | (c & 0x3F));
+      out += 3;
+    } else {
+      out[0] = static_cast<char>(0xF0 | (c >> 18));
+      out[1] = static_cast<char>(0x80 | ((c >> 12) & 0x3F));
+      out[2] = static_cast<char>(0x80 | ((c >> 6) & 0x3F));
+      out[3] = static_cast<char>(0x80 | (c & 0x3F));
+      out += 4;
+    }
+  }
+}
+
+// Size, surrogate check and writing of one piece, whatever the code point width.
+size_t piece_size(const CodePoints& text, size_t begin, size_t end, int64_t* first_surrogate_idx) {
+  switch (text.bytes_per_code_point) {
+    case 1:
+      return utf8_size(static_cast<const uint8_t*>(text.data) + begin, end - begin, first_surrogate_idx);
+    case 2:
+      return utf8_size(static_cast<const uint16_t*>(text.data) + begin, end - begin, first_surrogate_idx);
+    default:
+      return utf8_size(static_cast<const uint32_t*>(text.data) + begin, end - begin, first_surrogate_idx);
+  }
+}
+
+void write_piece(const CodePoints& text, size_t begin, size_t end, char* out) {
+  switch (text.bytes_per_code_point) {
+    case 1:
+      return write_utf8(static_cast<const uint8_t*>(text.data) + begin, end - begin, out);
+    case 2:
+      return write_utf8(static_cast<const uint16_t*>(text.data) + begin, end - begin, out);
+    default:
+      return write_utf8(static_cast<const uint32_t*>(text.data) + begin, end - begin, out);
+  }
+}
+
+}  // namespace
+
+EncodedUtf8 encode_utf8(std::span<const CodePoints> texts, int num_threads, Interrupt* interrupt) {
+  constexpr size_t kPiece = size_t{1} << 20;  // code points: a few ms, so Ctrl-C is prompt
+  struct Piece {
+    size_t text_idx, begin, end;
+  };
+  std::vector<Piece> pieces;
+  std::vector<size_t> task_starts;  // consecutive pieces of about kPiece code points in all
+  size_t task_code_points = kPiece;
+  for (size_t k = 0; k < texts.size(); ++k) {
+    const int width = texts[k].bytes_per_code_point;
+    TF_CHECK_ARG(width == 1 || width == 2 || width == 4, "bytes_per_code_point", width, "must be 1, 2 or 4");
+    for (size_t begin = 0; begin < texts[k].size; begin += kPiece) {
+      const size_t end = std::min(texts[k].size, begin + kPiece);
+      if (task_code_points >= kPiece) {
+        task_starts.push_back(pieces.size());
+        task_code_points = 0;
+      }
+      pieces.push_back({k, begin, end});
+      task_code_points += end - begin;
+    }
+  }
+  task_starts.push_back(pieces.size());
+  const auto num_tasks = static_cast<int64_t>(task_starts.size() - 1);
+
+  std::vector<size_t> piece_offsets(pieces.size() + 1, 0);
+  std::vector<int64_t> piece_surrogates(pieces.size(), -1);
+  parallel_for(num_tasks, 1, num_threads, [&](int64_t task_begin, int64_t task_end) {
+    for (size_t p = task_starts[task_begin]; p < task_starts[task_end]; ++p) {
+      piece_offsets[p + 1] = piece_size(texts[pieces[p].text_idx], pieces[p].begin, pieces[p].end, &piece_surrogates[p]);
+    }
+  }, interrupt);
+
+  EncodedUtf8 out;
+  out.offsets.assign(texts.size() + 1, 0);
+  out.first_surrogate_idx.assign(texts.size(), -1);
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    piece_offsets[p + 1] += piece_offsets[p];
+    const size_t k = pieces[p].text_idx;
+    out.offsets[k + 1] = piece_offsets[p + 1];
+    if (out.first_surrogate_idx[k] < 0 && piece_surrogates[p] >= 0) {
+      out.first_surrogate_idx[k] = static_cast<int64_t>(pieces[p].begin) + piece_surrogates[p];
+    }
+  }
+  for (size_t k = 0; k < texts.size(); ++k) out.offsets[k + 1] = std::max(out.offsets[k + 1], out.offsets[k]);  // empty texts
+  out.bytes.resize(piece_offsets.back());
+  parallel_for(num_tasks, 1, num_threads, [&](int64_t task_begin, int64_t task_end) {
+    for (size_t p = task_starts[task_begin]; p < task_starts[task_end]; ++p) {
+      write_piece(texts[pieces[p].text_idx], pieces[p].begin, pieces[p].end, out.bytes.data() + piece_offsets[p]);
+    }
+  }, interrupt);
+  return out;
 }
 
 }  // namespace trainfast

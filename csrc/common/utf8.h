@@ -3,6 +3,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/buffer.h"
+#include "common/parallel.h"
 
 namespace trainfast {
 
@@ -42,5 +47,23 @@ bool scan_utf8_scalar(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* nu
 // The same, on the SIMD path whatever n is (scalar where the CPU has no AVX2); for tests.
 bool scan_utf8_simd(const uint8_t* s, size_t n, uint64_t* num_cr, uint64_t* num_crlf);
 bool has_simd_utf8();
+
+// Text stored as fixed-width code points (Python's str storage: 1, 2 or 4 bytes each).
+struct CodePoints {
+  const void* data = nullptr;
+  int bytes_per_code_point = 1;
+  size_t size = 0;
+};
+
+// UTF-8 of several texts in one buffer: text k is bytes[offsets[k], offsets[k + 1]). Lone
+// surrogates get their 3-byte form, as Python's "surrogatepass" writes them.
+struct EncodedUtf8 {
+  UninitializedBuffer<char> bytes;
+  std::vector<size_t> offsets;
+  std::vector<int64_t> first_surrogate_idx;  // per text: code point index of its first lone surrogate, or -1
+};
+// Texts are cut into pieces of at most 2^20 code points, encoded on up to num_threads threads;
+// the bytes do not depend on it. Throws std::invalid_argument for a width other than 1, 2 or 4.
+EncodedUtf8 encode_utf8(std::span<const CodePoints> texts, int num_threads, Interrupt* interrupt);
 
 }  // namespace trainfast
