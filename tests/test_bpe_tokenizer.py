@@ -235,6 +235,9 @@ def test_decode_survives_ids_changed_by_index():
 
     ids[:2] = [Evil(), 105]
     assert tok.decode(ids) == "hi" + "\x00" * 62
+    # Plain ints first (read in place), then one whose __index__ empties the list: the rest as it was.
+    ids[:] = [72, 105, 33, Evil(), 106, 107]
+    assert tok.decode(ids) == "Hi!hjk"
 
 
 @pytest.mark.parametrize("chunker", ["lines", "chars", "random"])

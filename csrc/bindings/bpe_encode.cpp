@@ -54,9 +54,42 @@ py::list to_list(const uint32_t* ids, size_t n, const std::vector<py::object>& i
 }
 
 // Ints, or objects with __index__ (NumPy integers) as Python's sequence indexing takes them.
+int64_t read_id(PyObject* item, Py_ssize_t k) {
+  const py::object as_int = as_index(item);
+  PyObject* value = as_int.ptr();
+  if (value == nullptr) {
+    throw py::type_error("ids[" + std::to_string(k) + "] must be an int (got " +
+                         std::string(py::str(py::type::handle_of(item).attr("__name__"))) + ")");
+  }
+  int overflow = 0;
+  const long long id = PyLong_AsLongLongAndOverflow(value, &overflow);
+  if (overflow != 0) {
+    throw py::value_error("ids[" + std::to_string(k) + "] = " + std::string(py::str(value)) +
+                          " is not a token id of this vocabulary");
+  }
+  return id;
+}
+
 std::vector<int64_t> read_ids(const py::handle& ids) {
-  // A tuple snapshot: an item's __index__ may run Python code that changes the caller's list.
-  PyObject* seq = PySequence_Tuple(ids.ptr());
+  std::vector<int64_t> out;
+  Py_ssize_t first = 0;  // of the items left for the snapshot
+  if (PyList_Check(ids.ptr())) {
+    // A list's leading plain ints are read in place (they run no Python code that could change it;
+    // the length is re-read for signal handlers): a snapshot of tens of millions of items, made and
+    // freed, took a third of a second that Ctrl-C could not cut short.
+    out.reserve(static_cast<size_t>(PyList_GET_SIZE(ids.ptr())));
+    for (; first < PyList_GET_SIZE(ids.ptr()); ++first) {
+      check_signals_every_2_16(static_cast<uint64_t>(first));  // tens of millions of ids: seconds
+      PyObject* item = PyList_GET_ITEM(ids.ptr(), first);
+      if (!PyLong_CheckExact(item)) break;
+      out.push_back(read_id(item, first));
+    }
+    if (first == PyList_GET_SIZE(ids.ptr())) return out;
+  }
+  // A tuple snapshot of the rest: an item's __index__ may run Python code that changes the caller's list.
+  auto rest = py::reinterpret_steal<py::object>(
+      first > 0 ? PyList_GetSlice(ids.ptr(), first, PyList_GET_SIZE(ids.ptr())) : py::handle(ids).inc_ref().ptr());
+  PyObject* seq = rest ? PySequence_Tuple(rest.ptr()) : nullptr;
   if (seq == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();  // Ctrl-C, MemoryError
     PyErr_Clear();
@@ -65,23 +98,10 @@ std::vector<int64_t> read_ids(const py::handle& ids) {
   }
   const py::tuple owned = py::reinterpret_steal<py::tuple>(seq);
   const Py_ssize_t n = PyTuple_GET_SIZE(seq);
-  std::vector<int64_t> out(static_cast<size_t>(n));
+  out.reserve(out.size() + static_cast<size_t>(n));
   for (Py_ssize_t k = 0; k < n; ++k) {
-    check_signals_every_2_16(static_cast<uint64_t>(k));  // tens of millions of ids: seconds
-    PyObject* item = PyTuple_GET_ITEM(seq, k);
-    const py::object as_int = as_index(item);
-    PyObject* value = as_int.ptr();
-    if (value == nullptr) {
-      throw py::type_error("ids[" + std::to_string(k) + "] must be an int (got " +
-                           std::string(py::str(py::type::handle_of(item).attr("__name__"))) + ")");
-    }
-    int overflow = 0;
-    const long long id = PyLong_AsLongLongAndOverflow(value, &overflow);
-    if (overflow != 0) {
-      throw py::value_error("ids[" + std::to_string(k) + "] = " + std::string(py::str(value)) +
-                            " is not a token id of this vocabulary");
-    }
-    out[static_cast<size_t>(k)] = id;
+    check_signals_every_2_16(static_cast<uint64_t>(k));
+    out.push_back(read_id(PyTuple_GET_ITEM(seq, k), first + k));
   }
   return out;
 }

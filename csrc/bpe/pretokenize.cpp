@@ -626,13 +626,13 @@ class alignas(128) CountTable {
   [[gnu::always_inline]] inline void prefetch(uint64_t meta) const { __builtin_prefetch(&slots_[home(meta)]); }
 
   // Counts one occurrence. A worker counts its work items in stream order, so its insertion order
-  // is the order of first occurrences.
-  [[gnu::always_inline]] inline void add(const Key& key) {
+  // is the order of first occurrences. `interrupt` is checked while the table grows.
+  [[gnu::always_inline]] inline void add(const Key& key, Interrupt* interrupt) {
     const uint32_t len = static_cast<uint32_t>(key.meta);
     for (size_t idx = home(key.meta);; idx = (idx + 1) & mask_) {
       Slot& slot = slots_[idx];
       if (slot.count == 0) {
-        insert(idx, key);
+        insert(idx, key, interrupt);
         return;
       }
       if (slot.meta == key.meta && slot.w0 == key.w0 &&
@@ -724,7 +724,7 @@ class alignas(128) CountTable {
     std::vector<uint8_t>().swap(arena_);
   }
 
-  [[gnu::noinline]] void insert(size_t idx, const Key& key) {
+  [[gnu::noinline]] void insert(size_t idx, const Key& key, Interrupt* interrupt) {
     const uint32_t len = static_cast<uint32_t>(key.meta);
     Slot& slot = slots_[idx];
     slot.w0 = key.w0;
@@ -737,16 +737,20 @@ class alignas(128) CountTable {
     slot.meta = key.meta;
     order_.push_back(static_cast<uint32_t>(idx));
     key_bytes_before_.push_back(key_bytes_before_.back() + len);
-    if (order_.size() >= max_entries()) grow();
+    if (order_.size() >= max_entries()) grow(interrupt);
   }
 
-  void grow() {
+  // Rehashes every entry: a few tenths of a second for millions, so Ctrl-C is polled. A grow cut
+  // short leaves the table inconsistent, which is fine: a call that throws breaks the counter.
+  void grow(Interrupt* interrupt) {
     if (shift_ == 0 || order_.size() >= kMaxEntries) throw std::length_error("pre-token table is full");
     ZeroedArray<Slot> old_slots(slots_.size() * 2);
     old_slots.swap(slots_);
     --shift_;
     mask_ = slots_.size() - 1;
-    for (uint32_t& slot_idx : order_) {
+    for (size_t k = 0; k < order_.size(); ++k) {
+      if (interrupt != nullptr && (k & 0xFFFF) == 0xFFFF) interrupt->check();
+      uint32_t& slot_idx = order_[k];
       const Slot& old = old_slots[slot_idx];
       size_t idx = home(old.meta);
       while (slots_[idx].count != 0) idx = (idx + 1) & mask_;
@@ -1154,13 +1158,13 @@ struct PretokenCounter::Impl {
       // A chunk is long only in text without a safe cut, but then it is all of it.
       if (interrupt != nullptr && (num_pending & 0xFFFF) == 0xFFFF) interrupt->check();
       const unsigned k = num_pending % kAhead;
-      if (num_pending >= kAhead) table.add(keys[k]);
+      if (num_pending >= kAhead) table.add(keys[k], interrupt);
       keys[k] = CountTable::make_key(s + begin, static_cast<uint32_t>(end - begin), n - begin);
       table.prefetch(keys[k].meta);
       ++num_pending;
     });
     for (uint64_t j = num_pending > kAhead ? num_pending - kAhead : 0; j < num_pending; ++j) {
-      table.add(keys[j % kAhead]);
+      table.add(keys[j % kAhead], interrupt);
     }
   }
 
