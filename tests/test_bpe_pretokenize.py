@@ -204,6 +204,16 @@ def test_str_encoding_across_blocks(wide):
     assert list(from_str.items()) == list(from_bytes.items())
 
 
+def test_many_short_documents_of_every_width_any_thread_count():
+    # Many small strs share the native encoder's tasks (about 2^20 code points each) and buffer.
+    rng = random.Random(11)
+    words = ["a", " b", "", "\xe9", " \xff", "\u4e2d", " \u3000", "\U0001f600", "\n", "'s"]
+    docs = ["".join(rng.choice(words) for _ in range(rng.randrange(0, 12))) for _ in range(200_000)]
+    expected = list(count_pretokens(iter([d.encode() for d in docs]), num_threads=1).items())
+    for num_threads in (1, 2, 3):
+        assert list(count_pretokens(iter(docs), num_threads=num_threads).items()) == expected
+
+
 def test_lone_surrogate_index_across_blocks():
     text = "a" * ENCODE_BLOCK + "\u4e2d\udc00" + "b\ud800"
     with pytest.raises(ValueError, match=rf"inputs\[2\] contains a lone surrogate \(at index {ENCODE_BLOCK + 1}\)"):

@@ -20,12 +20,12 @@ std::string_view bytes_view(const py::handle& obj, const std::string& name) {
   return {PyBytes_AS_STRING(obj.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(obj.ptr()))};
 }
 
-void add_str(StrsUtf8& texts, const py::handle& obj, const std::string& name) {
+const py::handle& checked_str(const py::handle& obj, const std::string& name) {
   if (!PyUnicode_Check(obj.ptr())) {
     throw py::type_error(name + " must be a str (got " +
                          std::string(py::str(py::type::handle_of(obj).attr("__name__"))) + ")");
   }
-  texts.add(obj);
+  return obj;
 }
 
 // Python's own UnicodeEncodeError for a str with a lone surrogate (the tokenizer catches it).
@@ -73,18 +73,18 @@ int64_t read_id(PyObject* item, Py_ssize_t k) {
 std::vector<int64_t> read_ids(const py::handle& ids) {
   std::vector<int64_t> out;
   Py_ssize_t first = 0;  // of the items left for the snapshot
-  if (PyList_Check(ids.ptr())) {
+  if (PyList_CheckExact(ids.ptr())) {
     // A list's leading plain ints are read in place (they run no Python code that could change it;
-    // the length is re-read for signal handlers): a snapshot of tens of millions of items, made and
-    // freed, took a third of a second that Ctrl-C could not cut short.
+    // the length is re-read after signal handlers, which may): a snapshot of tens of millions of
+    // items, made and freed, took a third of a second that Ctrl-C could not cut short.
     out.reserve(static_cast<size_t>(PyList_GET_SIZE(ids.ptr())));
-    for (; first < PyList_GET_SIZE(ids.ptr()); ++first) {
+    for (;; ++first) {
       check_signals_every_2_16(static_cast<uint64_t>(first));  // tens of millions of ids: seconds
+      if (first >= PyList_GET_SIZE(ids.ptr())) return out;
       PyObject* item = PyList_GET_ITEM(ids.ptr(), first);
       if (!PyLong_CheckExact(item)) break;
       out.push_back(read_id(item, first));
     }
-    if (first == PyList_GET_SIZE(ids.ptr())) return out;
   }
   // A tuple snapshot of the rest: an item's __index__ may run Python code that changes the caller's list.
   auto rest = py::reinterpret_steal<py::object>(
@@ -137,8 +137,7 @@ class Encoder {
   }
 
   py::list encode(const py::handle& text) {
-    StrsUtf8 utf8;
-    add_str(utf8, text, "text");
+    StrsUtf8 utf8(checked_str(text, "text"));
     std::vector<uint32_t> ids;
     Interrupt interrupt = python_interrupt();
     {
@@ -154,7 +153,7 @@ class Encoder {
     // Our own references: another thread may empty the caller's list while the GIL is released.
     const py::tuple owned(texts);
     StrsUtf8 utf8;
-    for (size_t k = 0; k < owned.size(); ++k) add_str(utf8, owned[k], "texts[" + std::to_string(k) + "]");
+    for (size_t k = 0; k < owned.size(); ++k) utf8.add(checked_str(owned[k], "texts[" + std::to_string(k) + "]"));
     std::vector<std::vector<uint32_t>> results;
     Interrupt interrupt = python_interrupt();
     size_t num_clean = 0;  // texts before the first with a lone surrogate
@@ -178,8 +177,7 @@ class Encoder {
   // Ids of the longest prefix of text that is safe to encode on its own, and its length in
   // characters (0 when no safe cut is known yet).
   py::tuple encode_prefix(const py::handle& text) {
-    StrsUtf8 text_utf8;
-    add_str(text_utf8, text, "text");
+    StrsUtf8 text_utf8(checked_str(text, "text"));
     std::string_view utf8;
     std::vector<uint32_t> ids;
     Interrupt interrupt = python_interrupt();

@@ -38,29 +38,30 @@ std::string lone_surrogate_message(const std::string& name, int64_t code_point_i
 }
 
 std::vector<std::string> special_token_bytes(const py::list& special_tokens) {
-  std::vector<std::string> out;
-  out.reserve(special_tokens.size());
+  StrsUtf8 utf8;
   for (size_t k = 0; k < special_tokens.size(); ++k) {
     py::handle token = special_tokens[k];
     if (!PyUnicode_Check(token.ptr())) {
       throw py::type_error("special_tokens[" + std::to_string(k) + "] must be a str (got " +
                            std::string(py::str(py::type::handle_of(token).attr("__name__"))) + ")");
     }
-    StrsUtf8 utf8;
     utf8.add(token);
-    utf8.encode(1, nullptr);  // short: with the GIL held
-    if (utf8.first_surrogate_idx(0) >= 0) {
-      throw py::value_error(lone_surrogate_message("special_tokens[" + std::to_string(k) + "]", utf8.first_surrogate_idx(0)));
+  }
+  utf8.encode(1, nullptr);  // short: with the GIL held
+  std::vector<std::string> out;
+  out.reserve(utf8.size());
+  for (size_t k = 0; k < utf8.size(); ++k) {
+    if (utf8.first_surrogate_idx(k) >= 0) {
+      throw py::value_error(lone_surrogate_message("special_tokens[" + std::to_string(k) + "]", utf8.first_surrogate_idx(k)));
     }
-    out.emplace_back(utf8[0]);
+    out.emplace_back(utf8[k]);
   }
   return out;
 }
 
 py::list pretokenize(const py::str& text, int pattern, const py::list& special_tokens) {
   const bpe::SpecialTokenMatcher specials(special_token_bytes(special_tokens));
-  StrsUtf8 text_utf8;
-  text_utf8.add(text);
+  StrsUtf8 text_utf8(text);
   std::string_view utf8;
   std::vector<bpe::Piece> pieces;
   Interrupt interrupt = python_interrupt();
@@ -93,8 +94,7 @@ py::list pretokenize(const py::str& text, int pattern, const py::list& special_t
 
 // End offsets (in code points) of the pre-tokens of text, special tokens not split off.
 py::array_t<int64_t> pretokenize_ends(const py::str& text, int pattern) {
-  StrsUtf8 text_utf8;
-  text_utf8.add(text);
+  StrsUtf8 text_utf8(text);
   const Pattern scanner = to_pattern(pattern);
   std::vector<int64_t> char_ends;
   Interrupt interrupt = python_interrupt();
@@ -189,18 +189,17 @@ class Counter {
     const size_t num_docs = documents.size();
     std::vector<std::string_view> views(num_docs);
     std::vector<uint8_t> is_text(num_docs);
-    std::vector<py::object> owners;  // keeps every document alive while the GIL is released
-    owners.reserve(num_docs);
-    StrsUtf8 texts;
+    std::vector<py::object> owners;  // keeps the bytes documents alive while the GIL is released
+    StrsUtf8 texts;  // and the str ones
     std::vector<size_t> text_docs;  // document index of each of texts
     for (size_t k = 0; k < num_docs; ++k) {
       py::handle doc = documents[k];
-      owners.push_back(py::reinterpret_borrow<py::object>(doc));
       if (PyUnicode_Check(doc.ptr())) {
         texts.add(doc);
         text_docs.push_back(k);
         is_text[k] = 1;
       } else if (PyBytes_Check(doc.ptr())) {
+        owners.push_back(py::reinterpret_borrow<py::object>(doc));
         views[k] = {PyBytes_AS_STRING(doc.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(doc.ptr()))};
       } else {
         throw py::type_error(document_name(first_index, k) + " must be str or bytes (got " +

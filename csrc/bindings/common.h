@@ -132,8 +132,11 @@ inline Interrupt python_interrupt() {
 // its lifetime. ASCII strs are read in place; the others are encoded together by encode().
 class StrsUtf8 {
  public:
-  // Takes text (a str) as number size(); the GIL is held.
+  StrsUtf8() = default;
+  explicit StrsUtf8(const py::handle& text) { add(text); }
+  // Takes text (a str; callers name a wrong type themselves) as number size(); the GIL is held.
   void add(const py::handle& text) {
+    if (!PyUnicode_Check(text.ptr())) throw py::type_error("expected a str");
 #if PY_VERSION_HEX < 0x030C0000
     if (PyUnicode_READY(text.ptr()) < 0) throw py::error_already_set();
 #endif
@@ -147,7 +150,10 @@ class StrsUtf8 {
     }
   }
   // Needs no GIL; lone surrogates come out in their 3-byte form ("surrogatepass").
-  void encode(int num_threads, Interrupt* interrupt) { encoded_ = encode_utf8(code_points_, num_threads, interrupt); }
+  void encode(int num_threads, Interrupt* interrupt) {
+    encoded_ = encode_utf8(code_points_, num_threads, interrupt);
+    is_encoded_ = true;
+  }
 
   size_t size() const { return texts_.size(); }
   bool is_ascii(size_t k) const { return encoded_idx_[k] < 0; }
@@ -156,19 +162,27 @@ class StrsUtf8 {
     if (is_ascii(k)) {
       return {static_cast<const char*>(PyUnicode_DATA(texts_[k].ptr())), static_cast<size_t>(PyUnicode_GET_LENGTH(texts_[k].ptr()))};
     }
+    check_encoded();
     const auto j = static_cast<size_t>(encoded_idx_[k]);
     return {encoded_.bytes.data() + encoded_.offsets[j], encoded_.offsets[j + 1] - encoded_.offsets[j]};
   }
   // Code point index of text k's first lone surrogate (-1: none), once encoded.
   int64_t first_surrogate_idx(size_t k) const {
-    return is_ascii(k) ? -1 : encoded_.first_surrogate_idx[static_cast<size_t>(encoded_idx_[k])];
+    if (is_ascii(k)) return -1;
+    check_encoded();
+    return encoded_.first_surrogate_idx[static_cast<size_t>(encoded_idx_[k])];
   }
 
  private:
+  void check_encoded() const {
+    if (!is_encoded_) throw std::logic_error("StrsUtf8 read before encode()");
+  }
+
   std::vector<py::object> texts_;    // keeps the code points alive while the GIL is released
   std::vector<int64_t> encoded_idx_;  // per text: its index in code_points_, -1 when ASCII
   std::vector<CodePoints> code_points_;
   EncodedUtf8 encoded_;
+  bool is_encoded_ = false;
 };
 
 void register_checkpoint(py::module_& m);

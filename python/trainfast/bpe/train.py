@@ -133,9 +133,9 @@ def _check_special_tokens(special_tokens: Any) -> list[str]:
             raise ValueError("special_tokens must not contain an empty string")
         try:
             token.encode("utf-8")
-        except UnicodeEncodeError:
+        except UnicodeEncodeError as error:
             raise ValueError(
-                f"special_tokens[{idx}] contains a lone surrogate, which has no UTF-8 encoding"
+                f"special_tokens[{idx}] contains a lone surrogate (at index {error.start}), which has no UTF-8 encoding"
             ) from None
     duplicates = sorted({t for t, n in Counter(tokens).items() if n > 1})
     if duplicates:
