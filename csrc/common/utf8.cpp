@@ -241,26 +241,16 @@ void write_utf8(const Unit* s, size_t n, char* out) {
   }
 }
 
-// Size, surrogate check and writing of one piece, whatever the code point width.
-size_t piece_size(const CodePoints& text, size_t begin, size_t end, int64_t* first_surrogate_idx) {
+// fn(code points of text[begin, end) as their own width, their number).
+template <typename Fn>
+auto with_piece(const CodePoints& text, size_t begin, size_t end, Fn&& fn) {
   switch (text.bytes_per_code_point) {
     case 1:
-      return utf8_size(static_cast<const uint8_t*>(text.data) + begin, end - begin, first_surrogate_idx);
+      return fn(static_cast<const uint8_t*>(text.data) + begin, end - begin);
     case 2:
-      return utf8_size(static_cast<const uint16_t*>(text.data) + begin, end - begin, first_surrogate_idx);
+      return fn(static_cast<const uint16_t*>(text.data) + begin, end - begin);
     default:
-      return utf8_size(static_cast<const uint32_t*>(text.data) + begin, end - begin, first_surrogate_idx);
-  }
-}
-
-void write_piece(const CodePoints& text, size_t begin, size_t end, char* out) {
-  switch (text.bytes_per_code_point) {
-    case 1:
-      return write_utf8(static_cast<const uint8_t*>(text.data) + begin, end - begin, out);
-    case 2:
-      return write_utf8(static_cast<const uint16_t*>(text.data) + begin, end - begin, out);
-    default:
-      return write_utf8(static_cast<const uint32_t*>(text.data) + begin, end - begin, out);
+      return fn(static_cast<const uint32_t*>(text.data) + begin, end - begin);
   }
 }
 
@@ -294,7 +284,8 @@ EncodedUtf8 encode_utf8(std::span<const CodePoints> texts, int num_threads, Inte
   std::vector<int64_t> piece_surrogates(pieces.size(), -1);
   parallel_for(num_tasks, 1, num_threads, [&](int64_t task_begin, int64_t task_end) {
     for (size_t p = task_starts[task_begin]; p < task_starts[task_end]; ++p) {
-      piece_offsets[p + 1] = piece_size(texts[pieces[p].text_idx], pieces[p].begin, pieces[p].end, &piece_surrogates[p]);
+      piece_offsets[p + 1] = with_piece(texts[pieces[p].text_idx], pieces[p].begin, pieces[p].end,
+                                        [&](const auto* s, size_t n) { return utf8_size(s, n, &piece_surrogates[p]); });
     }
   }, interrupt);
 
@@ -313,7 +304,8 @@ EncodedUtf8 encode_utf8(std::span<const CodePoints> texts, int num_threads, Inte
   out.bytes.resize(piece_offsets.back());
   parallel_for(num_tasks, 1, num_threads, [&](int64_t task_begin, int64_t task_end) {
     for (size_t p = task_starts[task_begin]; p < task_starts[task_end]; ++p) {
-      write_piece(texts[pieces[p].text_idx], pieces[p].begin, pieces[p].end, out.bytes.data() + piece_offsets[p]);
+      with_piece(texts[pieces[p].text_idx], pieces[p].begin, pieces[p].end,
+                 [&](const auto* s, size_t n) { write_utf8(s, n, out.bytes.data() + piece_offsets[p]); });
     }
   }, interrupt);
   return out;
