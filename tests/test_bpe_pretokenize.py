@@ -214,6 +214,13 @@ def test_many_short_documents_of_every_width_any_thread_count():
         assert list(count_pretokens(iter(docs), num_threads=num_threads).items()) == expected
 
 
+def test_every_code_point_encodes_like_python():
+    # Bytes documents get universal newlines, so "\r" is left out.
+    text = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000 and c != 0x0D)
+    from_str = count_pretokens(iter([text]), num_threads=2)
+    assert list(from_str.items()) == list(count_pretokens(iter([text.encode()]), num_threads=2).items())
+
+
 def test_lone_surrogate_index_across_blocks():
     text = "a" * ENCODE_BLOCK + "\u4e2d\udc00" + "b\ud800"
     with pytest.raises(ValueError, match=rf"inputs\[2\] contains a lone surrogate \(at index {ENCODE_BLOCK + 1}\)"):
