@@ -1467,7 +1467,8 @@ WriteRanges split_for_writing(const std::vector<CountTable*>& tables, int num_th
 // block (or a fresh mapping) stalled 2-5 ms now and then on this short-lived buffer. Rank is the
 // narrowest type that holds every rank (two bytes keep the array in L2 for the usual table sizes).
 template <typename Rank>
-std::unique_ptr<Rank[]> rank_slots(const CountTable& table, size_t t, const std::vector<Span>& spans) {
+std::unique_ptr<Rank[]> rank_slots(const CountTable& table, size_t t, const std::vector<Span>& spans,
+                                   Interrupt* interrupt) {
   std::unique_ptr<Rank[]> ranks(new Rank[table.capacity()]);  // uninitialized: read at full slots only
   const uint32_t* const order = table.entry_slots();
   constexpr size_t kAhead = 16;
@@ -1475,6 +1476,8 @@ std::unique_ptr<Rank[]> rank_slots(const CountTable& table, size_t t, const std:
     const Span& span = spans[rank];
     if (span.table != t) continue;
     for (size_t k = span.begin; k < span.end; ++k) {
+      // With more threads than cores a table's pass takes tens of ms of wall time: stop inside it.
+      if (interrupt != nullptr && (k & 0xFFFF) == 0) interrupt->check();
       if (k + kAhead < span.end) __builtin_prefetch(&ranks[order[k + kAhead]], 1);
       ranks[order[k]] = static_cast<Rank>(rank);
     }
@@ -1503,7 +1506,7 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
   const size_t num_ranges = ranges.size();
   std::vector<std::unique_ptr<Rank[]>> slot_ranks(num_tables);
   run_workers(num_tables, num_threads, interrupt,
-              [&](size_t t, int) { slot_ranks[t] = rank_slots<Rank>(*tables[t], t, ranges.spans); });
+              [&](size_t t, int) { slot_ranks[t] = rank_slots<Rank>(*tables[t], t, ranges.spans, interrupt); });
   std::mutex tally_mutex;
   run_workers(num_shards, num_threads, interrupt, [&](size_t shard, int) {
     std::vector<std::pair<size_t, size_t>> found;  // (table, slot) of the key in later tables
@@ -1573,8 +1576,9 @@ void merge_tables(const std::vector<CountTable*>& tables, int num_threads, Write
       // shard's run wraps around to slot 0). Taken 8 at a time: which are full is a mask, not a
       // branch per slot (about half are empty, at random).
       for (size_t i = begin;; i += 8) {
-        // A shard is a large share of the work: Ctrl-C is polled inside it too.
-        if (interrupt != nullptr && (i & 0xFFFF) == 0) interrupt->check();
+        // A shard is a large share of the work: Ctrl-C is polled inside it too, often, because
+        // with more threads than cores each worker's last stretch runs at a fraction of a core.
+        if (interrupt != nullptr && (i & 0xFFF) == 0) interrupt->check();
         uint32_t full = 0;
         for (size_t b = 0; b < 8; ++b) full |= static_cast<uint32_t>(table.slot((i + b) & mask).meta != 0) << b;
         bool last = false;
