@@ -467,6 +467,23 @@ def test_native_stages_reject_bad_orders(bad, avoid_gpu_duplicates):
     assert int(logcnt.sum()) == 32 and (phy2log >= 0).all()
 
 
+def test_replica_loads_is_a_copy():
+    # eplb_place reads these loads without the GIL: writes through a view could race with it.
+    from trainfast import _core
+
+    weight = np.asarray(README_WEIGHT, dtype=np.float32)
+    loads = weight.reshape(2, 4, 3).sum(-1)
+    groups = np.argsort(-loads, axis=-1, kind="stable").astype(np.int64)
+    replication = _core.eplb_replicate(weight, 16, 4, 2, 8, loads, groups, 1)
+    expected = _core.eplb_place(replication, np.empty(0, dtype=np.int64), False, False, 1)
+    copy = replication.replica_loads
+    before = copy.copy()
+    copy[:] = np.arange(copy.size, dtype=np.float32).reshape(copy.shape)
+    np.testing.assert_array_equal(replication.replica_loads, before)
+    for got, want in zip(_core.eplb_place(replication, np.empty(0, dtype=np.int64), False, False, 1), expected):
+        np.testing.assert_array_equal(got, want)
+
+
 # --- integration -----------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
 // Bindings for EPLB: the two stages of the hierarchical policy and upstream's two helpers.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -167,11 +168,13 @@ void register_eplb(py::module_& m) {
             eplb::Replication* rep = bound_value<eplb::Replication>(self);
             if (rep == nullptr) throw py::type_error("replica_loads is read from an EplbReplication");
             const auto& s = rep->shape;
-            // A view kept alive by the replication object (writes affect only this object).
-            return py::array_t<float>({s.num_layers * s.num_nodes, s.physical_per_node()}, rep->replica_loads.data(),
-                                      self);
+            // A copy, not a view: eplb_place reads these loads without the GIL, and a write through
+            // a view from another thread would race with it.
+            py::array_t<float> loads({s.num_layers * s.num_nodes, s.physical_per_node()});
+            std::copy_n(rep->replica_loads.data(), rep->replica_loads.size(), loads.mutable_data());
+            return loads;
           },
-          "float32 [num_layers * num_nodes, num_replicas / num_nodes]: load / count of each replica.");
+          "float32 [num_layers * num_nodes, num_replicas / num_nodes]: load / count of each replica (a copy).");
   m.def("eplb_replicate", &replicate, py::arg("weight").noconvert(), py::arg("num_replicas"), py::arg("num_groups"),
         py::arg("num_nodes"), py::arg("num_gpus"), py::arg("group_loads").noconvert(),
         py::arg("group_order").noconvert(), py::arg("num_threads"),
