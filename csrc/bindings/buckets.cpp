@@ -113,15 +113,43 @@ void check_world_range(int64_t world_start, int64_t world_end, int64_t bucket_of
   }
 }
 
+// Builds the range map: each owned param's four Range objects (upstream's keys and order).
+class RangeMapBuilder {
+ public:
+  RangeMapBuilder(int64_t world_start, int64_t world_end, int64_t bucket_offset, const py::object& range_type)
+      : world_start_(world_start), world_size_(world_end - world_start), bucket_offset_(bucket_offset),
+        range_type_(range_type) {}
+
+  // The param at buffer offsets [start, end): an entry when it overlaps this rank's range.
+  void add(py::handle key, int64_t start, int64_t end) {
+    const int64_t local_start = std::max<int64_t>(0, start - world_start_);
+    const int64_t local_end = std::min(world_size_, end - world_start_);
+    if (local_end <= local_start) return;
+    const int64_t sub_start = std::max<int64_t>(0, world_start_ - start);
+    py::dict ranges;
+    ranges[gbuf_world_] = range_type_(local_start + world_start_, local_end + world_start_);
+    ranges[in_bucket_] = range_type_(local_start + world_start_ - bucket_offset_, local_end + world_start_ - bucket_offset_);
+    ranges[gbuf_local_] = range_type_(local_start, local_end);
+    ranges[param_] = range_type_(sub_start, sub_start + (local_end - local_start));
+    out_[key] = std::move(ranges);
+  }
+
+  py::dict& result() { return out_; }
+
+ private:
+  int64_t world_start_, world_size_, bucket_offset_;
+  const py::object& range_type_;
+  const py::str gbuf_world_{"gbuf_world"}, in_bucket_{"gbuf_world_in_bucket"}, gbuf_local_{"gbuf_local"},
+      param_{"param"};
+  py::dict out_;
+};
+
 // DistributedOptimizer._build_model_gbuf_param_range_map on the dict itself: one pass over its
 // (start, end, bucket) values; only owned params get Range objects, in the dict's order.
 py::dict param_range_map(const py::dict& param_world_index_map, int64_t world_start, int64_t world_end,
                          int64_t bucket_offset, const py::object& range_type) {
   check_world_range(world_start, world_end, bucket_offset);
-  const int64_t world_size = world_end - world_start;
-  const py::str gbuf_world("gbuf_world"), in_bucket("gbuf_world_in_bucket"), gbuf_local("gbuf_local"),
-      param_key("param");
-  py::dict out;
+  RangeMapBuilder out(world_start, world_end, bucket_offset, range_type);
   PyObject *borrowed_key = nullptr, *borrowed_value = nullptr;
   Py_ssize_t pos = 0;
   const Py_ssize_t size_before = PyDict_GET_SIZE(param_world_index_map.ptr());
@@ -152,20 +180,10 @@ py::dict param_range_map(const py::dict& param_world_index_map, int64_t world_st
       start = as_int64(start_obj.ptr(), "starts");
       end = as_int64(end_obj.ptr(), "ends");
     }
-    const int64_t local_start = std::max<int64_t>(0, start - world_start);
-    const int64_t local_end = std::min(world_size, end - world_start);
-    if (local_end <= local_start) continue;
-    const int64_t size = local_end - local_start;
-    const int64_t sub_start = std::max<int64_t>(0, world_start - start);
-    py::dict ranges;
-    ranges[gbuf_world] = range_type(local_start + world_start, local_end + world_start);
-    ranges[in_bucket] = range_type(local_start + world_start - bucket_offset, local_end + world_start - bucket_offset);
-    ranges[gbuf_local] = range_type(local_start, local_end);
-    ranges[param_key] = range_type(sub_start, sub_start + size);
-    out[py::handle(key)] = std::move(ranges);
+    out.add(key, start, end);
   }
   check_size();
-  return out;
+  return out.result();
 }
 
 // getattr(obj, name, default) without building the AttributeError: 1 found, 0 missing, -1 error.
@@ -497,27 +515,14 @@ py::object param_range_map_indexed(const py::dict& param_world_index_map, const 
   const auto hi = starts_sorted ? static_cast<size_t>(std::lower_bound(starts.begin(), starts.end(), world_end) -
                                                       starts.begin())
                                 : static_cast<size_t>(n);
-  const int64_t world_size = world_end - world_start;
-  const py::str gbuf_world("gbuf_world"), in_bucket("gbuf_world_in_bucket"), gbuf_local("gbuf_local"),
-      param_key("param");
-  py::dict out;
+  RangeMapBuilder out(world_start, world_end, bucket_offset, range_type);
   for (size_t i = lo; i < hi; ++i) {
     // Read once and checked again: range_type is Python code, which may rewrite the arrays.
     const int64_t start = starts[i], end = ends[i];
     check_offsets(start, end);
-    const int64_t local_start = std::max<int64_t>(0, start - world_start);
-    const int64_t local_end = std::min(world_size, end - world_start);
-    if (local_end <= local_start) continue;
-    const int64_t size = local_end - local_start;
-    const int64_t sub_start = std::max<int64_t>(0, world_start - start);
-    py::dict ranges;
-    ranges[gbuf_world] = range_type(local_start + world_start, local_end + world_start);
-    ranges[in_bucket] = range_type(local_start + world_start - bucket_offset, local_end + world_start - bucket_offset);
-    ranges[gbuf_local] = range_type(local_start, local_end);
-    ranges[param_key] = range_type(sub_start, sub_start + size);
-    out[py::handle(PyTuple_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i)))] = std::move(ranges);
+    out.add(PyTuple_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i)), start, end);
   }
-  return out;
+  return out.result();
 }
 
 }  // namespace
