@@ -252,12 +252,7 @@ class Counter {
   // (bytes, offsets uint64[n + 1], counts int64[n]): pre-token k is bytes[offsets[k]:offsets[k + 1]].
   py::tuple finish_arrays() {
     const InUse in_use(busy_);
-    bpe::FlatPretokenCounts counts;
-    Interrupt interrupt = python_interrupt();
-    {
-      py::gil_scoped_release release;
-      counts = counter_->finish_flat(&interrupt);
-    }
+    bpe::FlatPretokenCounts counts = finish_flat();
     // A Ctrl-C in the last poll interval would otherwise surface after the return, the counts
     // dropped and the counter silently empty.
     if (PyErr_CheckSignals() != 0) {
@@ -270,12 +265,7 @@ class Counter {
 
   py::dict finish() {
     const InUse in_use(busy_);
-    bpe::FlatPretokenCounts counts;
-    Interrupt interrupt = python_interrupt();
-    {
-      py::gil_scoped_release release;
-      counts = counter_->finish_flat(&interrupt);
-    }
+    const bpe::FlatPretokenCounts counts = finish_flat();
     // Presized: no rehash up to CPython's cap (2^17 slots, ~87K keys); past it the dict still grows a few times.
     const auto num_entries = static_cast<Py_ssize_t>(counts.counts.size());
     py::dict out = py::reinterpret_steal<py::dict>(_PyDict_NewPresized(num_entries));
@@ -309,6 +299,13 @@ class Counter {
   }
 
  private:
+  // The counts, merged without the GIL (the caller holds busy_).
+  bpe::FlatPretokenCounts finish_flat() {
+    Interrupt interrupt = python_interrupt();
+    py::gil_scoped_release release;
+    return counter_->finish_flat(&interrupt);
+  }
+
   static std::string document_name(int64_t first_index, size_t k) {
     return "inputs[" + std::to_string(first_index + static_cast<int64_t>(k)) + "]";
   }
