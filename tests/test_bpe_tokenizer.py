@@ -394,8 +394,12 @@ def test_bad_special_tokens():
         Tokenizer(_byte_vocab(), [], [""])
     with pytest.raises(TypeError, match=r"special_tokens\[0\] must be a str"):
         Tokenizer(_byte_vocab(), [], [b"x"])
-    with pytest.raises(TypeError, match="special_tokens must be a list"):
+    with pytest.raises(TypeError, match="special_tokens must be a sequence of str, not a single str"):
         Tokenizer(_byte_vocab(), [], EOT)
+    with pytest.raises(TypeError, match=r"special_tokens must be a sequence of str \(got int\)"):
+        Tokenizer(_byte_vocab(), [], 5)
+    with pytest.raises(ValueError, match=r"special_tokens\[0\] contains a lone surrogate \(at index 0\)"):
+        Tokenizer(_byte_vocab(), [], ["\udc80"])
     with pytest.raises(ValueError, match="pattern"):
         Tokenizer(_byte_vocab(), [], pattern="gpt3")
 

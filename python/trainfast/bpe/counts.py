@@ -48,12 +48,12 @@ class WordCounts:
 
     def __init__(self, counts: dict[bytes, int] | None = None, *, pattern: str = "gpt2",
                  special_tokens: Sequence[str] = ()) -> None:
-        from trainfast.bpe.tokenizer import _check_special_tokens
+        from trainfast.bpe.pretokenize import _check_special_tokens
 
         if not isinstance(pattern, str):
             raise TypeError(f"pattern must be a str (a pattern name or regex; got {type(pattern).__name__})")
         self._pattern = pattern
-        self._special_tokens = tuple(_check_special_tokens(special_tokens))
+        self._special_tokens = tuple(_check_special_tokens(special_tokens, unique=True))
         self._counts: dict[bytes, int] = {}
         if counts is not None:
             if not isinstance(counts, dict):
@@ -256,11 +256,11 @@ def count_words(
     ``os.PathLike``), a list or tuple of paths (str or ``os.PathLike``), or any other iterable of
     ``str``/``bytes`` documents (so pass a list of document strings as e.g. ``iter(texts)``)."""
     from trainfast.bpe.pretokenize import count_pretokens
-    from trainfast.bpe.tokenizer import _check_special_tokens
+    from trainfast.bpe.pretokenize import _check_special_tokens
 
     if not isinstance(pattern, str):
         raise TypeError(f"pattern must be a str (got {type(pattern).__name__})")
-    special_tokens = _check_special_tokens(special_tokens)
+    special_tokens = _check_special_tokens(special_tokens, unique=True)
     check_choice(errors, "errors", ("strict", "replace", "ignore"))
     counts = count_pretokens(inputs, pattern=pattern, special_tokens=tuple(special_tokens),
                              num_threads=resolve_num_threads(num_threads), errors=errors,

@@ -155,9 +155,11 @@ def train_bpe(
     gathered to rank ``src``, which trains and broadcasts ``(vocab, merges)`` to every rank."""
     import torch.distributed as dist
 
-    from trainfast.bpe.train import _check_special_tokens, _check_vocab_size
+    from trainfast.bpe.pretokenize import _check_special_tokens
+    from trainfast.bpe.train import _check_vocab_size
 
-    _check_vocab_size(vocab_size, _check_special_tokens(special_tokens))  # fail on every rank before counting
+    # Fail on every rank before counting.
+    _check_vocab_size(vocab_size, _check_special_tokens(special_tokens, unique=True))
     local_error = None
     try:
         counts = count_words(paths, special_tokens, pattern, group=group, dst=src, num_threads=num_threads,

@@ -23,14 +23,15 @@ from typing import Any
 
 from trainfast._util import write_atomic
 from trainfast.bpe.io import bytes_to_unicode
-from trainfast.bpe.tokenizer import _check_merges, _check_special_tokens, _check_vocab
+from trainfast.bpe.pretokenize import _check_special_tokens
+from trainfast.bpe.tokenizer import _check_merges, _check_vocab
 
 __all__ = ["to_hf_tokenizer_json", "to_tiktoken"]
 
 
 def _checked(vocab: Any, merges: Any, special_tokens: Any) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]],
                                                                     list[str], dict[bytes, int]]:
-    special_tokens = _check_special_tokens(special_tokens)
+    special_tokens = _check_special_tokens(special_tokens, unique=True)
     vocab = _check_vocab(vocab, special_tokens)
     token_to_id = {token: token_id for token_id, token in vocab.items()}  # as Tokenizer: the last id wins
     merges = _check_merges(merges, token_to_id)

@@ -97,7 +97,9 @@ def _compile(pattern: str) -> Any:
         raise ValueError(f"pattern is not a valid regular expression ({error}): {pattern!r}") from error
 
 
-def _check_special_tokens(special_tokens: Any) -> list[str]:
+def _check_special_tokens(special_tokens: Any, *, unique: bool) -> list[str]:
+    """``special_tokens`` as a list of non-empty, UTF-8-encodable str (None: no tokens). ``unique``:
+    a repeat is an error (where each token gets its own id); splitting text ignores repeats."""
     if special_tokens is None:
         return []
     if isinstance(special_tokens, (str, bytes)):
@@ -108,11 +110,21 @@ def _check_special_tokens(special_tokens: Any) -> list[str]:
         raise TypeError(
             f"special_tokens must be a sequence of str (got {type(special_tokens).__name__})"
         ) from None
+    seen: set[str] = set()
     for idx, token in enumerate(tokens):
         if not isinstance(token, str):
             raise TypeError(f"special_tokens[{idx}] must be a str (got {type(token).__name__} {token!r})")
         if not token:
-            raise ValueError(f"special_tokens must not contain an empty string (got one at index {idx})")
+            raise ValueError(f"special_tokens[{idx}] must not be empty")
+        try:
+            token.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"special_tokens[{idx}] contains a lone surrogate (at index {error.start}), which has no UTF-8 encoding"
+            ) from None
+        if unique and token in seen:
+            raise ValueError(f"special_tokens[{idx}] = {token!r} repeats an earlier special token")
+        seen.add(token)
     return tokens
 
 
@@ -147,12 +159,12 @@ def pretokenize(text: str, *, pattern: Any = "gpt2", special_tokens: Sequence[st
         text: any str (lone surrogates allowed).
         pattern: ``"gpt2"`` (CS336 / GPT-2), ``"cl100k"`` or ``"o200k"`` (tiktoken), or another
             regular expression, which falls back to the ``regex`` package (slower).
-        special_tokens: str tokens, none empty.
+        special_tokens: non-empty str tokens without lone surrogates (a repeat changes nothing).
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a str (got {type(text).__name__})")
     native_id, compiled = _resolve_pattern(pattern)
-    tokens = _check_special_tokens(special_tokens)
+    tokens = _check_special_tokens(special_tokens, unique=False)
     if native_id is None:
         return _fallback_pieces(text, compiled, tokens)
     from trainfast import _core
@@ -242,7 +254,7 @@ def count_pretokens(
         ``_core.BpeWordTable`` instead for the named patterns, for ``train_bpe``.)
     """
     native_id, compiled = _resolve_pattern(pattern)
-    tokens = _check_special_tokens(special_tokens)
+    tokens = _check_special_tokens(special_tokens, unique=False)
     threads = resolve_num_threads(num_threads)
     check_choice(errors, "errors", _ERRORS)
     if not isinstance(show_progress, bool):

@@ -22,6 +22,7 @@ from typing import Any, Union
 import numpy as np
 
 from trainfast._util import resolve_num_threads
+from trainfast.bpe.pretokenize import _check_special_tokens
 
 __all__ = ["Tokenizer", "load_merges", "load_vocab"]
 
@@ -60,7 +61,7 @@ class Tokenizer:
         from trainfast import _core
         from trainfast.bpe.pretokenize import _resolve_pattern
 
-        self._special_tokens = _check_special_tokens(special_tokens)
+        self._special_tokens = _check_special_tokens(special_tokens, unique=True)
         self._vocab = _check_vocab(vocab, self._special_tokens)
         # Where a special token repeats a vocab token (train_bpe's one-byte specials), the last id
         # wins, as in CS336's reverse map; text never reaches the other, specials are split first.
@@ -318,26 +319,6 @@ def _check_merges(merges: Any, token_to_id: dict[bytes, int]) -> list[tuple[byte
                                  f"its {what} token {token!r} is not in vocab")
         out.append((left, right))
     return out
-
-
-def _check_special_tokens(special_tokens: Any) -> list[str]:
-    if special_tokens is None:
-        return []
-    if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
-        raise TypeError(f"special_tokens must be a list of str (got {type(special_tokens).__name__})")
-    tokens = list(special_tokens)
-    for idx, token in enumerate(tokens):
-        if not isinstance(token, str):
-            raise TypeError(f"special_tokens[{idx}] must be a str (got {type(token).__name__} {token!r})")
-        if not token:
-            raise ValueError(f"special_tokens[{idx}] must not be empty")
-        try:
-            token.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"special_tokens[{idx}] = {token!r} has no UTF-8 encoding") from None
-        if token in tokens[:idx]:
-            raise ValueError(f"special_tokens[{idx}] = {token!r} repeats an earlier special token")
-    return tokens
 
 
 # --- file loading ----------------------------------------------------------------------------

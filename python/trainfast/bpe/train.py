@@ -12,12 +12,11 @@ import logging
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Union
 
 from trainfast._util import check_choice, check_int, resolve_num_threads
-from trainfast.bpe.pretokenize import count_pretokens
+from trainfast.bpe.pretokenize import _check_special_tokens, count_pretokens
 
 __all__ = ["train_bpe", "train_from_counts"]
 
@@ -59,7 +58,7 @@ def train_bpe(
         ``(vocab, merges)``: ``vocab`` maps ids ``0..len-1`` to token bytes (layout in the module
         docstring); ``merges`` lists ``(left, right)`` byte pairs in creation order.
     """
-    special_tokens = _check_special_tokens(special_tokens)
+    special_tokens = _check_special_tokens(special_tokens, unique=True)
     vocab_size = _check_vocab_size(vocab_size, special_tokens)
     num_threads = resolve_num_threads(num_threads)
     check_choice(errors, "errors", _ERROR_MODES)
@@ -96,7 +95,7 @@ def train_from_counts(
     """``train_bpe`` from pre-token counts (``{pre-token bytes: count}``, counts in [1, 2^63-1])."""
     if not isinstance(word_counts, dict):
         raise TypeError(f"word_counts must be a dict[bytes, int] (got {type(word_counts).__name__})")
-    special_tokens = _check_special_tokens(special_tokens)
+    special_tokens = _check_special_tokens(special_tokens, unique=True)
     vocab_size = _check_vocab_size(vocab_size, special_tokens)
     return _train(word_counts, vocab_size, special_tokens, show_progress)
 
@@ -120,27 +119,6 @@ def _train(word_counts: Any, vocab_size: int, special_tokens: list[str], show_pr
     for left, right in merges:
         vocab[len(vocab)] = left + right
     return vocab, merges
-
-
-def _check_special_tokens(special_tokens: Any) -> list[str]:
-    if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
-        raise TypeError(f"special_tokens must be a list of str (got {type(special_tokens).__name__})")
-    tokens = list(special_tokens)
-    for idx, token in enumerate(tokens):
-        if not isinstance(token, str):
-            raise TypeError(f"special_tokens must contain only str (got {type(token).__name__} {token!r})")
-        if not token:
-            raise ValueError("special_tokens must not contain an empty string")
-        try:
-            token.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(
-                f"special_tokens[{idx}] contains a lone surrogate (at index {error.start}), which has no UTF-8 encoding"
-            ) from None
-    duplicates = sorted({t for t, n in Counter(tokens).items() if n > 1})
-    if duplicates:
-        raise ValueError(f"special_tokens must be unique (got duplicates {duplicates!r})")
-    return tokens
 
 
 def _check_vocab_size(vocab_size: Any, special_tokens: list[str]) -> int:
