@@ -577,6 +577,19 @@ def test_progress_reporting(tmp_path, caplog):
     assert any("pre-tokenized" in record.getMessage() for record in caplog.records)
 
 
+def test_progress_counts_utf8_bytes_of_str_documents(caplog):
+    # A str's length is in code points; progress reports the UTF-8 bytes counted, as for files.
+    docs = ["héllo wörld ☃ 😀 " * 20] * 70_000 + [b"caf\xc3\xa9 " * 1000, "plain ascii " * 1000]  # two batches
+    expected = sum(len(d) if isinstance(d, bytes) else len(d.encode()) for d in docs)
+    counter = _core.BpePretokenCounter(0, [], 0, 2)
+    assert counter.add_documents(docs) == expected
+    caplog.clear()
+    with caplog.at_level("INFO", logger="trainfast.bpe"):
+        count_pretokens(iter(docs), show_progress=True)
+    assert [r.getMessage() for r in caplog.records if "pre-tokenized" in r.getMessage()] == [
+        f"pre-tokenized {expected / 1e6:.1f} MB"]
+
+
 @pytest.mark.parametrize("errors", ["strict", "replace", "ignore"])
 @pytest.mark.parametrize("dirt", [b"\r", b"\r\n", b"\xe9", b"\xe2\x82", b"<|e|>\r"])
 def test_file_turning_unclean_midway(tmp_path, errors, dirt):

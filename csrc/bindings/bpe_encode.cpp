@@ -53,7 +53,8 @@ py::list to_list(const uint32_t* ids, size_t n, const std::vector<py::object>& i
   return out;
 }
 
-// Ints, or objects with __index__ (NumPy integers) as Python's sequence indexing takes them.
+// Ints, or objects with __index__ (NumPy integers); not bool, which Python's indexing would take:
+// a True among ids is a bug in the caller, not token 1.
 int64_t read_id(PyObject* item, Py_ssize_t k) {
   const py::object as_int = as_index(item);
   PyObject* value = as_int.ptr();

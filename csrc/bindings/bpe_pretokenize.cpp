@@ -181,7 +181,8 @@ class Counter {
     report_done(progress, bytes_done.load());
   }
 
-  void add_documents(const py::list& documents, int64_t first_index, const py::object& progress) {
+  // Returns the bytes of UTF-8 text counted (for progress: a str's length is in code points).
+  int64_t add_documents(const py::list& documents, int64_t first_index, const py::object& progress) {
     const InUse in_use(busy_);
     if (first_index < 0 || first_index > (int64_t{1} << 62)) {  // names inputs[first_index + k]
       throw py::value_error("first_index must be in [0, 2^62] (got " + std::to_string(first_index) + ")");
@@ -238,29 +239,27 @@ class Counter {
       }
     }
     report_done(progress, bytes_done.load());
+    return bytes_done.load();
   }
 
-  // The last progress report. A Ctrl-C that lands in it fails the call after everything is
-  // counted, and a call that fails once counting has begun leaves the counter broken (the core's rule).
+  // The last progress report: a Ctrl-C that lands in it fails the call as a pending one does.
   void report_done(const py::object& progress, int64_t bytes_done) {
-    if (!report_progress(progress, bytes_done)) return;
-    counter_->mark_broken();
-    PyErr_SetNone(PyExc_KeyboardInterrupt);
-    throw py::error_already_set();
+    if (report_progress(progress, bytes_done)) {
+      counter_->mark_broken();
+      PyErr_SetNone(PyExc_KeyboardInterrupt);
+      throw py::error_already_set();
+    }
+    fail_on_pending_signal();
   }
 
   // (bytes, offsets uint64[n + 1], counts int64[n]): pre-token k is bytes[offsets[k]:offsets[k + 1]].
   py::tuple finish_arrays() {
     const InUse in_use(busy_);
     bpe::FlatPretokenCounts counts = finish_flat();
-    // A Ctrl-C in the last poll interval would otherwise surface after the return, the counts
-    // dropped and the counter silently empty.
-    if (PyErr_CheckSignals() != 0) {
-      counter_->mark_broken();
-      throw py::error_already_set();
-    }
-    return py::make_tuple(to_numpy(std::move(counts.bytes)), to_numpy(std::move(counts.offsets)),
-                          to_numpy(std::move(counts.counts)));
+    py::tuple out = py::make_tuple(to_numpy(std::move(counts.bytes)), to_numpy(std::move(counts.offsets)),
+                                   to_numpy(std::move(counts.counts)));
+    fail_on_pending_signal();
+    return out;
   }
 
   py::dict finish() {
@@ -277,7 +276,7 @@ class Counter {
     if (!out) fail();
     for (Py_ssize_t k = 0; k < num_entries; ++k) {
       // Millions of keys take a second or more: Ctrl-C must not wait for the whole dict.
-      if ((k & 0xFFFF) == 0 && PyErr_CheckSignals() != 0) fail();
+      if ((k & 0xFFFF) == 0) fail_on_pending_signal();
       const uint64_t begin = counts.offsets[k];
       PyObject* key = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(counts.bytes.data()) + begin,
                                                 static_cast<Py_ssize_t>(counts.offsets[k + 1] - begin));
@@ -287,15 +286,21 @@ class Counter {
       Py_XDECREF(value);
       if (failed) fail();
     }
+    fail_on_pending_signal();
     return out;
   }
 
   // finish() without the dict: the table stays native for the BPE trainer (bpe_train.cpp).
   bpe::PretokenCounts finish_table() {
     const InUse in_use(busy_);
+    bpe::PretokenCounts counts;
     Interrupt interrupt = python_interrupt();
-    py::gil_scoped_release release;
-    return counter_->finish(&interrupt);
+    {
+      py::gil_scoped_release release;
+      counts = counter_->finish(&interrupt);
+    }
+    fail_on_pending_signal();
+    return counts;
   }
 
  private:
@@ -304,6 +309,16 @@ class Counter {
     Interrupt interrupt = python_interrupt();
     py::gil_scoped_release release;
     return counter_->finish_flat(&interrupt);
+  }
+
+  // A Ctrl-C in the last poll interval of a call (the whole of a short one) would otherwise surface
+  // just after it returns, its work done (a finish's counts dropped, a batch counted): the call
+  // fails instead, as its last step, and leaves the counter broken as any call that fails once
+  // counting has begun.
+  void fail_on_pending_signal() {
+    if (PyErr_CheckSignals() == 0) return;
+    counter_->mark_broken();
+    throw py::error_already_set();
   }
 
   static std::string document_name(int64_t first_index, size_t k) {

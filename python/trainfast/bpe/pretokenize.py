@@ -310,14 +310,13 @@ def count_pretokens(
                 hint = " (paths and documents cannot be mixed)" if isinstance(doc, os.PathLike) else ""
                 raise TypeError(f"inputs[{idx}] must be str or bytes (got {type(doc).__name__}){hint}")
             batch.append(doc)
-            batch_bytes += len(doc)
+            # At most 4 UTF-8 bytes per code point: bounds a batch's text without encoding it here.
+            batch_bytes += len(doc) if isinstance(doc, bytes) or doc.isascii() else 4 * len(doc)
             if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_DOCS:
-                counter.add_documents(batch, first_index, callback)
-                progress.finish_input(batch_bytes)
+                progress.finish_input(counter.add_documents(batch, first_index, callback))
                 first_index, batch, batch_bytes = idx + 1, [], 0
         if batch:
-            counter.add_documents(batch, first_index, callback)
-            progress.finish_input(batch_bytes)
+            progress.finish_input(counter.add_documents(batch, first_index, callback))
         return counter.finish_table() if _native_table else counter.finish()
     finally:
         progress.close()
