@@ -215,6 +215,7 @@ def _dist_worker(rank: int, world_size: int, init_file: str, paths: list[str], o
         counts = distributed.count_words(paths, [EOT], max_message_bytes=5000)
         result["counts"] = None if counts is None else counts.to_bytes()
         result["trained"] = distributed.train_bpe(paths, 800, [EOT], max_message_bytes=1 << 20)
+        result["no_specials"] = distributed.train_bpe(paths, 300, None)  # None: no special tokens
         subgroup = dist.new_group([1, 2])  # every rank must create it
         if rank in (1, 2):
             sub = distributed.count_words(paths[:3], [EOT], group=subgroup)
@@ -283,6 +284,8 @@ def test_distributed_equals_single_process(parts, tmp_path):
     assert results[1]["counts"] is None and results[2]["counts"] is None
     expected = train_bpe([Path(p) for p in paths], 800, [EOT], show_progress=False)
     assert all(result["trained"] == expected for result in results)
+    no_specials = train_bpe([Path(p) for p in paths], 300, [], show_progress=False)
+    assert all(result["no_specials"] == no_specials for result in results)
     assert WordCounts.from_bytes(results[1]["sub"]).counts == count_words([Path(p) for p in paths[:3]], [EOT],
                                                                           show_progress=False).counts
     assert results[2]["sub"] is None

@@ -285,6 +285,15 @@ def test_bad_arguments(shared_dir, kwargs, error, name):
         _train(_fixture(shared_dir, "german.txt"), **arguments)
 
 
+def test_special_tokens_none_means_none(tmp_path):
+    path = tmp_path / "words.txt"
+    path.write_text("low lower lowest newer wider " * 40)
+    assert _train(path, 300, special_tokens=None) == _train(path, 300, special_tokens=[])
+    counts = {b"low": 5, b" lower": 2}
+    assert train_from_counts(counts, 260, None, show_progress=False) == train_from_counts(
+        counts, 260, [], show_progress=False)
+
+
 @pytest.mark.parametrize(
     ("word_counts", "error"),
     [({"ab": 1}, TypeError), ({b"ab": 1.0}, TypeError), ({b"ab": 0}, ValueError), ({b"ab": 2**63}, ValueError),

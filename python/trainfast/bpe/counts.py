@@ -47,7 +47,7 @@ class WordCounts:
     __slots__ = ("_counts", "_pattern", "_special_tokens")
 
     def __init__(self, counts: dict[bytes, int] | None = None, *, pattern: str = "gpt2",
-                 special_tokens: Sequence[str] = ()) -> None:
+                 special_tokens: Sequence[str] | None = ()) -> None:
         from trainfast.bpe.pretokenize import _check_special_tokens
 
         if not isinstance(pattern, str):
@@ -244,7 +244,7 @@ def _add_into(out: dict[bytes, int], other: dict[bytes, int]) -> None:
 
 def count_words(
     inputs: PathLike | Sequence[PathLike] | Iterable[str | bytes],
-    special_tokens: Sequence[str] = (),
+    special_tokens: Sequence[str] | None = (),
     pattern: str = "gpt2",
     num_threads: int | None = None,
     *,

@@ -61,7 +61,7 @@ def _check_files_exist(paths: list[str]) -> None:
 
 def count_words(
     paths: PathLike | Sequence[PathLike],
-    special_tokens: Sequence[str] = (),
+    special_tokens: Sequence[str] | None = (),
     pattern: str = "gpt2",
     *,
     group: Any = None,
@@ -141,7 +141,7 @@ def count_words(
 def train_bpe(
     paths: PathLike | Sequence[PathLike],
     vocab_size: int,
-    special_tokens: Sequence[str] = (),
+    special_tokens: Sequence[str] | None = (),
     *,
     pattern: str = "gpt2",
     group: Any = None,
@@ -159,7 +159,8 @@ def train_bpe(
     from trainfast.bpe.train import _check_vocab_size
 
     # Fail on every rank before counting.
-    _check_vocab_size(vocab_size, _check_special_tokens(special_tokens, unique=True))
+    special_tokens = _check_special_tokens(special_tokens, unique=True)
+    _check_vocab_size(vocab_size, special_tokens)
     local_error = None
     try:
         counts = count_words(paths, special_tokens, pattern, group=group, dst=src, num_threads=num_threads,
@@ -173,7 +174,7 @@ def train_bpe(
             result[0] = ("error", f"{type(local_error).__name__}: {local_error}")
         else:
             try:
-                result[0] = ("ok", train_from_counts(counts, vocab_size, list(special_tokens),
+                result[0] = ("ok", train_from_counts(counts, vocab_size, special_tokens,
                                                      show_progress=show_progress))
             except BaseException as caught:  # every other rank is waiting in the broadcast below
                 result[0] = ("error", f"{type(caught).__name__}: {caught}")

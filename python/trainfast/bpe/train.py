@@ -32,7 +32,7 @@ _ERROR_MODES = ("strict", "replace", "ignore")
 def train_bpe(
     input_path: PathLike | Sequence[PathLike] | Iterable[str | bytes],
     vocab_size: int,
-    special_tokens: Sequence[str] = (),
+    special_tokens: Sequence[str] | None = (),
     *,
     pattern: str = "gpt2",
     num_threads: int | None = None,
@@ -88,7 +88,7 @@ def _count_words(input_path: Any, pattern: str, special_tokens: list[str], num_t
 def train_from_counts(
     word_counts: dict[bytes, int],
     vocab_size: int,
-    special_tokens: Sequence[str] = (),
+    special_tokens: Sequence[str] | None = (),
     *,
     show_progress: bool = True,
 ) -> tuple[Vocab, Merges]:
