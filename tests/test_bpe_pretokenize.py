@@ -579,7 +579,7 @@ def test_progress_reporting(tmp_path, caplog):
 
 def test_progress_counts_utf8_bytes_of_str_documents(caplog):
     # A str's length is in code points; progress reports the UTF-8 bytes counted, as for files.
-    docs = ["héllo wörld ☃ 😀 " * 20] * 70_000 + [b"caf\xc3\xa9 " * 1000, "plain ascii " * 1000]  # two batches
+    docs = ["héllo wörld ☃ 😀 " * 20] * 70_000 + [b"caf\xc3\xa9 " * 1000, "plain ascii " * 1000]  # several batches
     expected = sum(len(d) if isinstance(d, bytes) else len(d.encode()) for d in docs)
     counter = _core.BpePretokenCounter(0, [], 0, 2)
     assert counter.add_documents(docs) == expected

@@ -181,7 +181,8 @@ class Counter {
     report_done(progress, bytes_done.load());
   }
 
-  // Returns the bytes of UTF-8 text counted (for progress: a str's length is in code points).
+  // Returns the bytes of text counted, as UTF-8 after decoding (what progress reports; a str's
+  // len() is in code points).
   int64_t add_documents(const py::list& documents, int64_t first_index, const py::object& progress) {
     const InUse in_use(busy_);
     if (first_index < 0 || first_index > (int64_t{1} << 62)) {  // names inputs[first_index + k]
@@ -256,8 +257,14 @@ class Counter {
   py::tuple finish_arrays() {
     const InUse in_use(busy_);
     bpe::FlatPretokenCounts counts = finish_flat();
-    py::tuple out = py::make_tuple(to_numpy(std::move(counts.bytes)), to_numpy(std::move(counts.offsets)),
-                                   to_numpy(std::move(counts.counts)));
+    py::tuple out;
+    try {
+      out = py::make_tuple(to_numpy(std::move(counts.bytes)), to_numpy(std::move(counts.offsets)),
+                           to_numpy(std::move(counts.counts)));
+    } catch (...) {
+      counter_->mark_broken();  // MemoryError: the counter is empty, the counts lost
+      throw;
+    }
     fail_on_pending_signal();
     return out;
   }
@@ -313,8 +320,8 @@ class Counter {
 
   // A Ctrl-C in the last poll interval of a call (the whole of a short one) would otherwise surface
   // just after it returns, its work done (a finish's counts dropped, a batch counted): the call
-  // fails instead, as its last step, and leaves the counter broken as any call that fails once
-  // counting has begun.
+  // fails instead, as its last step, and leaves the counter broken (as a call that fails once
+  // counting has begun does; a caller cannot tell how far it got).
   void fail_on_pending_signal() {
     if (PyErr_CheckSignals() == 0) return;
     counter_->mark_broken();

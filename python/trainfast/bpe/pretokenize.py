@@ -148,7 +148,7 @@ def _fallback_pieces(text: str, compiled: Any, tokens: Sequence[str]) -> list[st
     return out
 
 
-def pretokenize(text: str, *, pattern: Any = "gpt2", special_tokens: Sequence[str] = ()) -> list[str]:
+def pretokenize(text: str, *, pattern: Any = "gpt2", special_tokens: Sequence[str] | None = ()) -> list[str]:
     """Cuts ``text`` into pre-tokens exactly as ``regex.findall(PATTERNS[pattern], text)`` does.
 
     Special tokens are split off first (leftmost occurrence, longest token where several match
@@ -220,7 +220,7 @@ def count_pretokens(
     inputs: PathLike | Sequence[os.PathLike[str]] | Iterable[str | bytes],
     *,
     pattern: Any = "gpt2",
-    special_tokens: Sequence[str] = (),
+    special_tokens: Sequence[str] | None = (),
     num_threads: int | None = None,
     errors: str = "strict",
     show_progress: bool = False,
@@ -348,5 +348,5 @@ def _fallback_count_documents(inputs, compiled, tokens, errors, progress) -> dic
         else:
             raise TypeError(f"inputs[{idx}] must be str or bytes (got {type(doc).__name__})")
         _count_text(counts, text, compiled, tokens)
-        progress.finish_input(len(doc))
+        progress.finish_input(len(text.encode("utf-8", "surrogatepass")))  # as the native counter reports
     return dict(counts)
