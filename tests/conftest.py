@@ -49,6 +49,24 @@ while True:
 """
 
 
+class OneKeyboardInterrupt:
+    """A signal handler that raises KeyboardInterrupt once per arming (set `armed`): a handler may
+    run at any bytecode, even inside the caller's cleanup, so it disarms itself before raising."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.fixture
+def one_keyboard_interrupt():
+    return OneKeyboardInterrupt()
+
+
 @pytest.fixture
 def sigint_repeatedly():
     """Context manager factory: inside the block, SIGINT arrives every 20 ms after `delay` seconds,
@@ -65,17 +83,9 @@ def sigint_repeatedly():
 
     @contextlib.contextmanager
     def arm(delay: float = 0.02):
-        armed = True
         signals = SimpleNamespace(first_signal_at=None)
-
-        def handler(signum, frame):
-            # One KeyboardInterrupt per block: a handler may run at any bytecode, even inside the
-            # cleanup below, so it disarms itself before raising.
-            nonlocal armed
-            if armed:
-                armed = False
-                raise KeyboardInterrupt
-
+        handler = OneKeyboardInterrupt()  # one per block
+        handler.armed = True
         previous = signal.signal(signal.SIGINT, handler)
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # no sanitizer in the sender
         sender = subprocess.Popen(
@@ -84,7 +94,7 @@ def sigint_repeatedly():
         try:
             yield signals
         finally:
-            armed = False
+            handler.armed = False
             sender.kill()
             first_line = sender.communicate()[0].split("\n")[0]
             signals.first_signal_at = float(first_line) if first_line else None

@@ -290,7 +290,7 @@ def test_decode(sigint_repeatedly, call):
 
 
 @pytest.mark.parametrize("call", ["add_documents", "add_file", "finish_arrays", "finish_table"])
-def test_ctrl_c_at_the_end_of_a_counter_call(tmp_path, call):
+def test_ctrl_c_at_the_end_of_a_counter_call(tmp_path, one_keyboard_interrupt, call):
     """A Ctrl-C that lands after a counter call's last poll (the whole of a call under 50 ms) still
     fails the call, and a counter call that fails once counting has begun leaves the counter broken:
     no finish's counts silently dropped, no batch counted that a retry would count again. Signals
@@ -325,20 +325,13 @@ def test_ctrl_c_at_the_end_of_a_counter_call(tmp_path, call):
         run(counter)
         durations.append(time.perf_counter() - start)
     duration = min(durations)
-    armed = False
-
-    def handler(signum, frame):
-        nonlocal armed
-        if armed:
-            armed = False
-            raise KeyboardInterrupt
-
+    handler = one_keyboard_interrupt
     previous = signal.signal(signal.SIGALRM, handler)
     num_interrupted = num_kept = 0
     try:
         for _ in range(40):
             counter = fresh()
-            armed = True
+            handler.armed = True
             returned = False
             try:
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.1, 1.0) * duration)
@@ -360,7 +353,7 @@ def test_ctrl_c_at_the_end_of_a_counter_call(tmp_path, call):
                     # Interrupted before it counted anything (add_*), or the race above.
                     num_kept += call.startswith("finish") or leftover != {}
             finally:
-                armed = False
+                handler.armed = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
     finally:
         signal.signal(signal.SIGALRM, previous)
