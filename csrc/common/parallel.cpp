@@ -94,15 +94,13 @@ void run_on_threads(int num_workers, const std::function<void(int)>& worker, Int
   for (auto& thread : threads) thread.join();
 }
 
-void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
-                  const std::function<void(int64_t, int64_t)>& body, Interrupt* interrupt) {
+void parallel_for_each(int64_t num_items, int num_threads, const std::function<void(int64_t, int)>& fn,
+                       Interrupt* interrupt) {
   TF_CHECK_ARG(num_threads >= 1, "num_threads", num_threads, "must be >= 1");
-  TF_CHECK_ARG(block_size >= 1, "block_size", block_size, "must be >= 1");
   if (num_items <= 0) return;
-  const int64_t num_blocks = (num_items + block_size - 1) / block_size;
-  const int num_workers = static_cast<int>(std::min<int64_t>(num_threads, num_blocks));
+  const int num_workers = static_cast<int>(std::min<int64_t>(num_threads, num_items));
 
-  std::atomic<int64_t> next_block{0};
+  std::atomic<int64_t> next_item{0};
   std::atomic<bool> failed{false};
   std::exception_ptr first_error;
   std::mutex error_mutex;
@@ -114,23 +112,32 @@ void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
   auto should_stop = [&] {
     return failed.load(std::memory_order_relaxed) || (interrupt && interrupt->stop_requested());
   };
-  auto run_blocks = [&](bool is_caller) {
+  auto run_items = [&](int worker) {
     try {
       while (!should_stop()) {
-        if (is_caller && interrupt) interrupt->check();
-        const int64_t block = next_block.fetch_add(1);
-        if (block >= num_blocks) break;
-        const int64_t begin = block * block_size;
-        body(begin, std::min(num_items, begin + block_size));
+        if (worker == 0 && interrupt) interrupt->check();
+        const int64_t item = next_item.fetch_add(1);
+        if (item >= num_items) break;
+        fn(item, worker);
       }
     } catch (...) {
       record_error(std::current_exception());
     }
   };
 
-  run_on_threads(num_workers, [&](int worker) { run_blocks(worker == 0); }, interrupt, record_error);
+  run_on_threads(num_workers, run_items, interrupt, record_error);
   if (first_error) std::rethrow_exception(first_error);
   if (interrupt && interrupt->stop_requested()) throw Interrupted();
+}
+
+void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
+                  const std::function<void(int64_t, int64_t)>& body, Interrupt* interrupt) {
+  TF_CHECK_ARG(block_size >= 1, "block_size", block_size, "must be >= 1");
+  const int64_t num_blocks = num_items <= 0 ? 0 : (num_items - 1) / block_size + 1;
+  parallel_for_each(num_blocks, num_threads, [&](int64_t block, int) {
+    const int64_t begin = block * block_size;
+    body(begin, std::min(num_items, begin + block_size));
+  }, interrupt);
 }
 
 }  // namespace trainfast

@@ -46,6 +46,13 @@ class Interrupt {
 void run_on_threads(int num_workers, const std::function<void(int)>& worker, Interrupt* interrupt,
                     const std::function<void(std::exception_ptr)>& on_error);
 
+// Runs fn(item, worker) for every item in [0, num_items) on up to num_threads workers (worker 0 is
+// the calling thread, which also polls `interrupt`). Workers claim items in order, so each worker
+// sees its items in increasing order. The first exception thrown by any item is rethrown after all
+// threads have joined.
+void parallel_for_each(int64_t num_items, int num_threads, const std::function<void(int64_t, int)>& fn,
+                       Interrupt* interrupt = nullptr);
+
 // Runs body(begin, end) over [0, num_items) in blocks of block_size on up to num_threads threads
 // (the calling thread included, which also polls `interrupt`). The first exception thrown by any
 // block is rethrown after all threads have joined.
