@@ -146,3 +146,17 @@ class Patcher:
         except AttributeError:
             return _MISSING
 
+
+def split_by_size_and_type_with(sizing: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The replacement factory for an upstream ``_split_by_size_and_type(bins, items)``: trainfast's
+    binning with ``sizing`` ("chunk" for Megatron, "global" for torch DCP)."""
+
+    def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+        from trainfast.checkpoint import split_by_size_and_type
+
+        def replacement(bins, items):
+            return split_by_size_and_type(bins, items, sizing=sizing)
+
+        return replacement
+
+    return make_replacement

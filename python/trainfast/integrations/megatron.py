@@ -15,31 +15,21 @@ installed megatron-core has them; and the pipeline layer split (``get_num_layers
 
 from __future__ import annotations
 
-from trainfast.integrations._patching import Patcher
+from trainfast.integrations._patching import Patcher, split_by_size_and_type_with
 
 __all__ = ["patch", "unpatch", "is_patched", "patcher"]
 
 patcher = Patcher("megatron-core")
 
-
-def _split_by_size_and_type(original):
-    from trainfast.checkpoint import split_by_size_and_type
-
-    def replacement(bins, items):
-        return split_by_size_and_type(bins, items, sizing="chunk")
-
-    return replacement
-
-
 patcher.add(
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "_split_by_size_and_type",
-    _split_by_size_and_type,
+    split_by_size_and_type_with("chunk"),
 )
 patcher.add(
     "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
     "_split_by_size_and_type",
-    _split_by_size_and_type,
+    split_by_size_and_type_with("chunk"),
     required=False,
 )
 
