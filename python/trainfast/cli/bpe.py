@@ -12,19 +12,24 @@ _NAME = "bpe"
 _DEMO_CORPUS = Path(__file__).resolve().parents[1] / "bpe" / "data" / "corpus.en.xz"
 
 
+def add_pretokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """--special-token, --pattern, --threads and --errors: how a command that reads text files splits it."""
+    parser.add_argument("--special-token", action="append", default=[], dest="special_tokens",
+                        help="special token (repeatable), e.g. '<|endoftext|>'; the text is split on it first")
+    parser.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, o200k or a regular expression")
+    parser.add_argument("--threads", type=int, default=None, help="pre-tokenizer threads (default: all cores)")
+    parser.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
+                        help="invalid UTF-8: fail naming the byte offset (default), replace or ignore")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(_NAME, help="byte-level BPE tokenizer training")
     commands = parser.add_subparsers(dest="bpe_command", required=True)
     train = commands.add_parser("train", help="train BPE merges on text files (CS336 train_bpe semantics)")
     train.add_argument("corpus", nargs="+", help="UTF-8 text files")
     train.add_argument("--vocab-size", type=int, required=True, help="256 bytes + specials + merges")
-    train.add_argument("--special-token", action="append", default=[], dest="special_tokens",
-                       help="special token (repeatable), e.g. '<|endoftext|>'")
     train.add_argument("--out", required=True, help="directory for vocab.json and merges.txt")
-    train.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, o200k or a regex")
-    train.add_argument("--threads", type=int, default=None, help="pre-tokenizer threads (default: all cores)")
-    train.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
-                       help="invalid UTF-8: fail (default), replace or ignore")
+    add_pretokenizer_arguments(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(handler=_train_command)
 

@@ -10,14 +10,11 @@ _NAME = "pretokenize"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from trainfast.cli.bpe import add_pretokenizer_arguments
+
     parser = subparsers.add_parser(_NAME, help="count BPE pre-tokens of text files, like regex.findall + Counter")
     parser.add_argument("files", nargs="+", help="UTF-8 text files")
-    parser.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, o200k or a regular expression")
-    parser.add_argument("--special-token", action="append", default=[], dest="special_tokens",
-                        help="split on this token first and do not count it (repeatable)")
-    parser.add_argument("--threads", type=int, default=None, help="default: all available cores")
-    parser.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
-                        help="what to do with invalid UTF-8 (default: strict, an error naming the offset)")
+    add_pretokenizer_arguments(parser)
     parser.add_argument("--top", type=int, default=20, help="print the N most frequent pre-tokens (default 20)")
     parser.add_argument("--progress", action="store_true", help="show progress")
     parser.set_defaults(handler=_run)

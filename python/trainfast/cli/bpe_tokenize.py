@@ -25,17 +25,14 @@ def _bpe_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParser
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from trainfast.cli.bpe import add_pretokenizer_arguments
+
     commands = _bpe_commands(subparsers)
 
     count = commands.add_parser("count", help="count pre-tokens of text files into a counts file (addable)")
     count.add_argument("corpus", nargs="+", help="UTF-8 text files")
     count.add_argument("--out", required=True, help="counts file to write (e.g. counts.tfwc)")
-    count.add_argument("--special-token", action="append", default=[], dest="special_tokens",
-                       help="special token (repeatable), split out and not counted")
-    count.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, o200k or a regex")
-    count.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
-    count.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
-                       help="invalid UTF-8: fail (default), replace or ignore")
+    add_pretokenizer_arguments(count)
     count.add_argument("--no-progress", action="store_true", help="no progress bars")
     count.set_defaults(handler=_count_command)
 
