@@ -156,15 +156,19 @@ def main() -> None:
             cases.append(("gcide 4 MB", small, 10_000, 1, True))
         else:
             cases += [("gcide (40 MB)", gcide, 10_000, 1, True), ("gcide (40 MB)", gcide, 32_000, 1, False)]
-            concat = workdir / "concat.txt"
-            with open(concat, "wb") as out:
-                for _ in range(3):
-                    for name in ("austen", "kjv", "gcide", "multilingual"):
-                        out.write(lzma.decompress((SHARED / "corpora" / f"{name}.txt.xz").read_bytes()))
-                        out.write(f"\n{SPECIAL}\n".encode())
-            size_mb = concat.stat().st_size / 1e6
-            cases += [(f"4 corpora x3 ({size_mb:.0f} MB)", concat, 10_000, 1, False),
-                      (f"4 corpora x3 ({size_mb:.0f} MB)", concat, 32_000, 1, False)]
+            corpora = [lzma.decompress((SHARED / "corpora" / f"{name}.txt.xz").read_bytes())
+                       for name in ("austen", "kjv", "gcide", "multilingual")]
+            for times, vocab_sizes in ((3, (10_000, 32_000)), (30, (32_000,))):
+                concat = workdir / f"concat_x{times}.txt"
+                with open(concat, "wb") as out:
+                    for _ in range(times):
+                        for corpus in corpora:
+                            out.write(corpus)
+                            out.write(f"\n{SPECIAL}\n".encode())
+                size = concat.stat().st_size
+                size_label = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+                cases += [(f"4 corpora x{times} ({size_label})", concat, vocab_size, 1, False)
+                          for vocab_size in vocab_sizes]
 
         rows, notes = [], set()
         for label, path, vocab_size, repeats, with_oracle in cases:

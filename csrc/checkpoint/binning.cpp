@@ -321,8 +321,26 @@ BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> 
     }
   }
   const SortedItems tensors = sort_tensor_items(is_bytes, sizes, interrupt);
-  greedy_assign(tensors, plan.bin_bytes, plan.bin_idx, interrupt);
-  if (balance == Balance::kRefined) refine(sizes, plan.bin_bytes, plan.bin_idx, interrupt);
+  if (balance == Balance::kRefined) {
+    // Upstream's own plan (tensors packed as if byte items weighed nothing), refined as well: packing
+    // on top of the byte loads can end in a local optimum above it, and this mode promises never to
+    // be heavier than upstream. The lighter maximum wins; on a tie the byte-aware plan.
+    std::vector<int64_t> upstream_idx = plan.bin_idx;
+    std::vector<int64_t> upstream_load(num_bins, 0);
+    greedy_assign(tensors, upstream_load, upstream_idx, interrupt);
+    for (int64_t i = 0; i < num_items; ++i) {
+      if (is_bytes[i]) upstream_load[upstream_idx[i]] += sizes[i];
+    }
+    refine(sizes, upstream_load, upstream_idx, interrupt);
+    greedy_assign(tensors, plan.bin_bytes, plan.bin_idx, interrupt);
+    refine(sizes, plan.bin_bytes, plan.bin_idx, interrupt);
+    if (std::ranges::max(upstream_load) < std::ranges::max(plan.bin_bytes)) {
+      plan.bin_idx = std::move(upstream_idx);
+      plan.bin_bytes = std::move(upstream_load);
+    }
+  } else {
+    greedy_assign(tensors, plan.bin_bytes, plan.bin_idx, interrupt);
+  }
   poll(interrupt);
 
   // Each bin: its byte items in input order, then its tensors in descending-size (assignment) order.
