@@ -523,6 +523,30 @@ CASES += [
     Case("bpe.Tokenizer.from_files", "invalid UTF-8", lambda: bpe.Tokenizer.from_files(_file("v.json", b'{"\xff": 0}'), _file("m.txt", b"")), ValueError, r"v\.json: not valid UTF-8"),
 ]
 
+# Found in review: counts past int64, meta tensors (a shape, no data), bad shapes, demo sizes.
+_META = torch.device("meta")
+CASES += [
+    Case("buckets.plan_layout", "int64 overflow", lambda: buckets.plan_layout([5], data_parallel_world_size=2**63), ValueError, "data_parallel_world_size"),
+    Case("buckets.shard_ranges", "int64 overflow", lambda: buckets.shard_ranges(LAYOUT, 2**63), ValueError, "data_parallel_world_size"),
+    Case("buckets.compute_full_param_layout", "int64 overflow", lambda: buckets.compute_full_param_layout([_param(4)], 100, 2**63, _DDP), ValueError, "data_parallel_world_size"),
+    Case("buckets.compute_full_param_layout", "int64 overflow", lambda: buckets.compute_full_param_layout([_param(4)], 100, 2, _DDP, 2**64), ValueError, "expert_data_parallel_world_size"),
+    Case("checkpoint.assign_bins", "int64 overflow", lambda: checkpoint.assign_bins([0], [1], 2**63), ValueError, "bins"),
+    Case("checkpoint.split_by_size_and_type", "int64 overflow", lambda: checkpoint.split_by_size_and_type(2**63, [_Item(0)]), ValueError, "bins"),
+    Case("trainfast buckets (CLI)", "int64 overflow", lambda: _cli("buckets", "--dp", str(2**63)), ValueError, "--dp"),
+    Case("buckets.plan_layout", "meta tensor (no data)", lambda: buckets.plan_layout(torch.tensor([5, 6], device=_META)), ValueError, "numels is on the meta device"),
+    Case("checkpoint.assign_bins", "meta tensor (no data)", lambda: checkpoint.assign_bins([0, 1], torch.ones(2, dtype=torch.int64, device=_META), 2), ValueError, "sizes is on the meta device"),
+    Case("pipeline.balanced_layout", "meta tensor (no data)", lambda: pipeline.balanced_layout(torch.ones(8, device=_META), 2, 2), ValueError, "layer_costs is on the meta device"),
+    Case("pipeline.plan_layers", "meta tensor (no data)", lambda: pipeline.plan_layers(3, 2, 1, method="paddle", stage_ids=torch.tensor([0, 0, 1], device=_META)), ValueError, "stage_ids is on the meta device"),
+    Case("eplb.rebalance_experts", "meta tensor (no data)", lambda: eplb.rebalance_experts(_W.to(_META), 16, 4, 2, 8), ValueError, "weight is on the meta device"),
+    Case("eplb.rebalance_experts", "meta tensor (no data)", lambda: eplb.rebalance_experts(_W, 16, 4, 2, 8, previous_phy2log=torch.zeros(2, 16, dtype=torch.int64, device=_META)), ValueError, "previous_phy2log is on the meta device"),
+    Case("eplb.balanced_packing", "meta tensor (no data)", lambda: eplb.balanced_packing(_W.to(_META), 2), ValueError, "weight is on the meta device"),
+    Case("buckets.materialize", "wrong type", lambda: buckets.materialize(buckets.plan_layout([4]), shapes=[(2.9, 2)]), TypeError, r"shapes\[0\]\[0\]"),
+    Case("buckets.materialize", "negative", lambda: buckets.materialize(buckets.plan_layout([1]), shapes=[(-1, -1)]), ValueError, r"shapes\[0\]\[0\]"),
+    Case("buckets.materialize", "malformed object", lambda: buckets.materialize(buckets.plan_layout([4, 4]), shapes=[torch.zeros(4), (4,)]), TypeError, "shapes"),
+    Case("trainfast checkpoint (CLI)", "output too large for memory", lambda: _cli("checkpoint", "--layers", "100000000000"), ValueError, "--layers"),
+    Case("trainfast buckets (CLI)", "output too large for memory", lambda: _cli("buckets", "--layers", "100000000000"), ValueError, "--layers"),
+]
+
 # Inputs that look unusual but are valid: they must work and equal the plain call.
 ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
     ("checkpoint.assign_bins", "non-contiguous/strided tensor",

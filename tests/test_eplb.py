@@ -507,6 +507,27 @@ def test_patch_module_with_deepseek_api():
     assert module.rebalance_experts is ref.rebalance_experts and not integration.is_patched(module)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.bool])
+def test_patched_helpers_take_every_dtype_upstream_takes(dtype):
+    # trainfast.eplb's helpers refuse these dtypes (upstream computes in them); patched, the module's
+    # helpers must still answer as upstream does.
+    from trainfast.integrations import eplb as integration
+
+    module = types.ModuleType("user_eplb")
+    for name in integration.FUNCTIONS:
+        setattr(module, name, getattr(ref, name))
+    weight = (torch.rand(3, 8, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    with pytest.raises(TypeError, match="weight must be"):
+        eplb.balanced_packing(weight, 2)
+    integration.patch(module)
+    try:
+        assert_same(module.balanced_packing(weight, 2), ref.balanced_packing(weight, 2))
+        assert_same(module.replicate_experts(weight, 12), ref.replicate_experts(weight, 12))
+        assert_same(module.balanced_packing(weight.float(), 2), ref.balanced_packing(weight.float(), 2))
+    finally:
+        integration.unpatch(module)
+
+
 def test_patch_follows_the_module_not_its_name():
     from trainfast.integrations import eplb as integration
 

@@ -34,6 +34,10 @@ class UpstreamAssertionError(ValueError, AssertionError):
     """Bad argument where upstream ``assert``s: catchable as either ValueError or AssertionError."""
 
 
+# Counts and sizes cross into native code as int64.
+INT64_MAX = 2**63 - 1
+
+
 def check_int(value: Any, name: str, *, min_value: int | None = None, max_value: int | None = None) -> int:
     """Returns ``value`` as an int; TypeError unless it is an integer (bools excluded)."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
@@ -74,6 +78,12 @@ def resolve_num_threads(num_threads: int | None) -> int:
     return check_int(num_threads, "num_threads", min_value=1, max_value=MAX_NUM_THREADS)
 
 
+def check_has_data(tensor: Any, name: str) -> None:
+    """ValueError for a tensor on the meta device, which has a shape but no values to plan with."""
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds no data (got shape {tuple(tensor.shape)})")
+
+
 def as_array(
     value: Any,
     name: str,
@@ -91,6 +101,7 @@ def as_array(
 
     if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
         value = value.detach()
+        check_has_data(value, name)
         if value.device.type != "cpu":
             value = value.cpu()
         if value.is_conj():

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trainfast import _core
-from trainfast._util import UpstreamAssertionError, as_array, check_int, resolve_num_threads, to_tensor
+from trainfast._util import INT64_MAX, UpstreamAssertionError, as_array, check_int, resolve_num_threads, to_tensor
 
 __all__ = [
     "BucketGroups",
@@ -111,7 +111,7 @@ def _dataclasses() -> tuple[Any, Any, Any]:
 
 def default_bucket_size(data_parallel_world_size: int) -> int:
     """Megatron DDP's default bucket size: max(40M, 1M * dp) elements."""
-    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1)
+    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1, max_value=INT64_MAX)
     return max(40_000_000, 1_000_000 * dp)
 
 
@@ -246,7 +246,7 @@ def plan_layout(
     Returns:
         A :class:`ParamLayout` of int64 CPU tensors.
     """
-    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1)
+    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1, max_value=INT64_MAX)
     bucket_size = _check_bucket_size(bucket_size)
     numels_arr = as_array(numels, "numels", "int64", kind="int")
     if shared_embedding is None:
@@ -309,11 +309,11 @@ def shard_ranges(
     """
     if not isinstance(layout, ParamLayout):
         raise TypeError(f"layout must be a ParamLayout from plan_layout (got {type(layout).__name__})")
-    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1)
+    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1, max_value=INT64_MAX)
     if rank is None:
         rank_begin, rank_end = 0, dp
     else:
-        rank = check_int(rank, "rank", min_value=0)
+        rank = check_int(rank, "rank", min_value=0, max_value=INT64_MAX)
         if rank >= dp:
             raise ValueError(f"rank must be < data_parallel_world_size={dp} (got {rank})")
         rank_begin, rank_end = rank, rank + 1
@@ -654,9 +654,9 @@ def compute_full_param_layout(
 ) -> Any:
     """``DistributedOptimizer.compute_full_param_layout``: groups params into buffers and lays each out;
     expert-parallel buffers use ``expert_data_parallel_world_size`` (default: the dense dp)."""
-    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1)
+    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1, max_value=INT64_MAX)
     expert_dp = dp if expert_data_parallel_world_size is None else check_int(
-        expert_data_parallel_world_size, "expert_data_parallel_world_size", min_value=1
+        expert_data_parallel_world_size, "expert_data_parallel_world_size", min_value=1, max_value=INT64_MAX
     )
     bucket_size = _check_bucket_size(bucket_size)
     grouped = _group_params(_param_list(params), bool(getattr(ddp_config, "grad_reduce_in_fp32", False)), True)
@@ -860,6 +860,12 @@ class Materialized(NamedTuple):
     grad_views: list
 
 
+def _check_shape(shape: Any, name: str) -> tuple[int, ...]:
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"{name} must be a shape (a sequence of ints) or a tensor (got {type(shape).__name__})")
+    return tuple(check_int(d, f"{name}[{k}]", min_value=0) for k, d in enumerate(shape))
+
+
 def materialize(
     layout: ParamLayout,
     shapes: Any = None,
@@ -899,11 +905,14 @@ def materialize(
         items = _param_list(shapes)
         if len(items) != n:
             raise ValueError(f"shapes must have one entry per param (got {len(items)} for {n} params)")
-        if items and isinstance(items[0], torch.Tensor):
+        num_tensors = sum(isinstance(item, torch.Tensor) for item in items)
+        if 0 < num_tensors < len(items):
+            raise TypeError("shapes must be all params (tensors) or all shapes, not a mix")
+        if num_tensors:
             params = items
             shape_list = [tuple(p.shape) for p in items]
         else:
-            shape_list = [tuple(int(d) for d in s) for s in items]
+            shape_list = [_check_shape(s, f"shapes[{i}]") for i, s in enumerate(items)]
         for i, (shape, numel) in enumerate(zip(shape_list, numels)):
             if math.prod(shape) != numel:
                 raise ValueError(f"shapes[{i}] has {math.prod(shape)} elements but the layout holds {numel}")

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 from trainfast import _core
-from trainfast._util import as_array, check_choice, check_int, resolve_num_threads, to_tensor
+from trainfast._util import INT64_MAX, as_array, check_choice, check_int, resolve_num_threads, to_tensor
 
 __all__ = [
     "BinAssignment",
@@ -104,7 +104,7 @@ def split_by_size_and_type(
     Returns:
         ``bins`` lists of the same item objects; with ``bins == 1``, ``[items]`` as upstream.
     """
-    bins = check_int(bins, "bins")
+    bins = check_int(bins, "bins", max_value=INT64_MAX)
     check_choice(sizing, "sizing", _SIZINGS)
     check_choice(balance, "balance", _BALANCES)
     threads = resolve_num_threads(num_threads)
@@ -151,7 +151,7 @@ def assign_bins(is_bytes: Any, sizes: Any, bins: int, *, balance: Balance = "ups
     Returns:
         A :class:`BinAssignment` of int64 CPU tensors sharing memory with the native result.
     """
-    bins = check_int(bins, "bins", min_value=1)
+    bins = check_int(bins, "bins", min_value=1, max_value=INT64_MAX)
     check_choice(balance, "balance", _BALANCES)
     is_bytes_arr = as_array(is_bytes, "is_bytes", "uint8", kind="bool")
     sizes_arr = as_array(sizes, "sizes", "int64", kind="int")

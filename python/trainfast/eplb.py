@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from trainfast import _core
-from trainfast._util import UpstreamAssertionError, check_choice, resolve_num_threads
+from trainfast._util import UpstreamAssertionError, check_choice, check_has_data, resolve_num_threads
 
 __all__ = [
     "balanced_packing",
@@ -74,18 +74,19 @@ def _require(condition: bool, message: str) -> None:
         raise UpstreamAssertionError(message)
 
 
-def _as_tensor(weight: Any) -> torch.Tensor:
-    if isinstance(weight, torch.Tensor):
-        return weight.detach()
-    if isinstance(weight, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(weight))
-    if isinstance(weight, (str, bytes)) or not hasattr(weight, "__len__"):
-        raise TypeError(f"weight must be a torch tensor, NumPy array or nested sequence (got {type(weight).__name__})")
-    return torch.tensor(weight)
+def _as_tensor(value: Any, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        check_has_data(value, name)
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence (got {type(value).__name__})")
+    return torch.tensor(value)
 
 
 def _weight_2d(weight: Any) -> torch.Tensor:
-    tensor = _as_tensor(weight)
+    tensor = _as_tensor(weight, "weight")
     if tensor.dtype.is_complex:
         raise TypeError(f"weight must have a real dtype (got {tensor.dtype})")
     if tensor.dim() != 2:
@@ -281,12 +282,17 @@ def rebalance_experts_hierarchical(
     return torch.from_numpy(phy2log), torch.from_numpy(phyrank), torch.from_numpy(logcnt)
 
 
+# The weight dtypes of balanced_packing / replicate_experts: upstream computes in the weight's own
+# dtype, and the native core reproduces that arithmetic for these.
+HELPER_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int8, torch.int16, torch.int32, torch.uint8)
+
+
 def _helper_weight(weight: Any) -> tuple[torch.Tensor, np.ndarray]:
     """(tensor, numpy array in the dtype whose arithmetic matches upstream's on this tensor)."""
     tensor = _weight_2d(weight)
     if tensor.dtype in (torch.float32, torch.float64, torch.int64):
         native = tensor.cpu().contiguous()
-    elif tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.uint8):
+    elif tensor.dtype in HELPER_DTYPES:
         native = tensor.cpu().to(torch.int64).contiguous()  # same result unless upstream's narrow sums overflow
     else:
         raise TypeError(f"weight must be float32, float64 or an integer dtype (got {tensor.dtype})")
@@ -447,7 +453,7 @@ def _keep_previous_slots(previous_phy2log: Any, phy2log: np.ndarray, phyrank: np
                          gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
     """Minimal migration: permutes the GPUs inside each node, then each GPU's slots, so that as many
     experts as possible stay in the slot they had in ``previous_phy2log``."""
-    previous = _as_tensor(previous_phy2log)
+    previous = _as_tensor(previous_phy2log, "previous_phy2log")
     if previous.dtype.is_floating_point or previous.dtype.is_complex or previous.dtype == torch.bool:
         raise TypeError(f"previous_phy2log must have an integer dtype (got {previous.dtype})")
     previous = previous.cpu().to(torch.int64).numpy()

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainfast._util import check_int
+from trainfast._util import INT64_MAX, check_int
+
+# The built-in models are Python lists (up to ~800 params per layer): a bound keeps them in memory.
+MAX_DEMO_LAYERS = 10_000
 
 _NAME = "buckets"
 
@@ -198,11 +201,11 @@ def plan(spec: ModelSpec, *, dp: int, expert_dp: int | None = None, bucket_size:
 def run(model: str, *, dp: int = 256, expert_dp: int | None = None, bucket_size: Any = "default",
         num_layers: int | None = None, use_distributed_optimizer: bool = True, busbw: bool = False,
         param_bytes: int = 2, grad_bytes: int = 4) -> int:
-    check_int(dp, "--dp", min_value=1)
+    check_int(dp, "--dp", min_value=1, max_value=INT64_MAX)
     if expert_dp is not None:
-        check_int(expert_dp, "--expert-dp", min_value=1)
+        check_int(expert_dp, "--expert-dp", min_value=1, max_value=INT64_MAX)
     if num_layers is not None:
-        check_int(num_layers, "--layers", min_value=1)
+        check_int(num_layers, "--layers", min_value=1, max_value=MAX_DEMO_LAYERS)
     check_int(param_bytes, "--param-bytes", min_value=0)  # before anything is printed
     check_int(grad_bytes, "--grad-bytes", min_value=0)
     spec = resolve_spec(model, num_layers)

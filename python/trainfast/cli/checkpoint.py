@@ -7,6 +7,9 @@ import time
 
 from trainfast._util import MAX_NUM_THREADS, check_int
 
+# The demo model is built as Python WriteItem objects (~100 per layer): a bound keeps it in memory.
+MAX_DEMO_LAYERS = 10_000
+
 _NAME = "checkpoint"
 
 
@@ -39,7 +42,7 @@ def run(num_layers: int, bins: int, seed: int) -> int:
     from trainfast._examples import gpt_write_items
     from trainfast.checkpoint import balance_ratio, split_by_size_and_type, write_item_sizes
 
-    check_int(num_layers, "--layers", min_value=1)
+    check_int(num_layers, "--layers", min_value=1, max_value=MAX_DEMO_LAYERS)
     check_int(bins, "--bins", min_value=1, max_value=MAX_NUM_THREADS)  # one printed column per bin
     items = gpt_write_items(num_layers=num_layers, seed=seed)
     print(f"checkpoint: binning a GPT write plan of {len(items):,} items into {bins} writer threads")

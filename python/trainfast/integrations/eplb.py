@@ -59,12 +59,21 @@ def _resolve(module: ModuleType | str | None) -> ModuleType:
 
 
 def _replacement(name: str, original: Any) -> Any:
+    import torch
+
     from trainfast import eplb
 
     ours = getattr(eplb, name)
+    # The helpers compute in the weight's dtype; for a dtype the native core does not reproduce
+    # (float16, bfloat16, bool), the module's own function gives upstream's answer.
+    weighs_in_own_dtype = name in ("balanced_packing", "replicate_experts")
 
     @functools.wraps(original)
     def replacement(*args: Any, **kwargs: Any) -> Any:
+        weight = args[0] if args else kwargs.get("weight")
+        if weighs_in_own_dtype and isinstance(weight, torch.Tensor) and \
+                not weight.dtype.is_complex and weight.dtype not in eplb.HELPER_DTYPES:
+            return original(*args, **kwargs)
         return ours(*args, **kwargs)
 
     replacement.__trainfast_original__ = original
