@@ -545,10 +545,20 @@ CASES += [
     Case("buckets.materialize", "malformed object", lambda: buckets.materialize(buckets.plan_layout([4, 4]), shapes=[torch.zeros(4), (4,)]), TypeError, "shapes"),
     Case("trainfast checkpoint (CLI)", "output too large for memory", lambda: _cli("checkpoint", "--layers", "100000000000"), ValueError, "--layers"),
     Case("trainfast buckets (CLI)", "output too large for memory", lambda: _cli("buckets", "--layers", "100000000000"), ValueError, "--layers"),
+    Case("eplb.gpu_loads", "meta tensor (no data)", lambda: eplb.gpu_loads(_W, _P2L.to(_META), _CNT, 2), ValueError, "phy2log is on the meta device"),
+    Case("bpe.Tokenizer.decode", "meta tensor (no data)", lambda: _TINY_TOKENIZER.decode(torch.zeros(3, dtype=torch.int64, device=_META)), ValueError, "ids is on the meta device"),
+    Case("buckets.build_model_gbuf_param_range_map", "int64 overflow", lambda: buckets.build_model_gbuf_param_range_map({}, SimpleNamespace(start=0, end=2**63), 0), ValueError, r"gbuf_world_range\.end"),
+    Case("buckets.build_model_gbuf_param_range_map", "wrong type", lambda: buckets.build_model_gbuf_param_range_map({}, SimpleNamespace(start=0, end=4), 1.5), TypeError, "bucket_offset"),
+    Case("buckets.materialize", "int64 overflow", lambda: buckets.materialize(buckets.plan_layout([0]), shapes=[(2**70, 0)]), ValueError, r"shapes\[0\]\[0\]"),
+    Case("trainfast eplb (CLI)", "int64 overflow", lambda: _cli("eplb", "--gpus", str(2**63)), ValueError, "--gpus"),
+    Case("trainfast eplb (CLI)", "zero", lambda: _cli("eplb", "--replicas", "0"), ValueError, "--replicas"),
 ]
 
 # Inputs that look unusual but are valid: they must work and equal the plain call.
 ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
+    ("buckets.materialize", "NumPy shapes",
+     lambda: [v.shape for v in buckets.materialize(buckets.plan_layout([4, 6]), shapes=[np.array([2, 2]), np.array([6])]).grad_views],
+     lambda: [v.shape for v in buckets.materialize(buckets.plan_layout([4, 6]), shapes=[(2, 2), (6,)]).grad_views]),
     ("checkpoint.assign_bins", "non-contiguous/strided tensor",
      lambda: checkpoint.assign_bins(torch.zeros(20, dtype=torch.bool)[::2], torch.arange(20)[::2], 3).order.tolist(),
      lambda: checkpoint.assign_bins([0] * 10, list(range(0, 20, 2)), 3).order.tolist()),

@@ -507,25 +507,59 @@ def test_patch_module_with_deepseek_api():
     assert module.rebalance_experts is ref.rebalance_experts and not integration.is_patched(module)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.bool])
-def test_patched_helpers_take_every_dtype_upstream_takes(dtype):
-    # trainfast.eplb's helpers refuse these dtypes (upstream computes in them); patched, the module's
-    # helpers must still answer as upstream does.
+def _recording_module(calls):
+    """A module with DeepSeek's API whose functions (the oracle's) note each call."""
     from trainfast.integrations import eplb as integration
 
     module = types.ModuleType("user_eplb")
     for name in integration.FUNCTIONS:
-        setattr(module, name, getattr(ref, name))
-    weight = (torch.rand(3, 8, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
-    with pytest.raises(TypeError, match="weight must be"):
-        eplb.balanced_packing(weight, 2)
+        def function(*args, _function=getattr(ref, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _function(*args, **kwargs)
+
+        function.__name__ = function.__qualname__ = name
+        setattr(module, name, function)
+    return module
+
+
+_GENERATOR_SEED = 5
+
+
+def _weight(kind):
+    generator = torch.Generator().manual_seed(_GENERATOR_SEED)
+    if kind == "bool":
+        return torch.randint(0, 2, (3, 8), generator=generator).bool()
+    if kind == "int32 overflowing pack sums":  # 8 loads of ~2^28.5 per row: sums pass 2^31
+        return torch.randint(2**28, 2**29, (3, 8), generator=generator, dtype=torch.int32)
+    return (torch.rand(3, 8, generator=generator) * 4).to(getattr(torch, kind))
+
+
+@pytest.mark.parametrize("kind, upstream_runs", [
+    ("float16", {"balanced_packing", "replicate_experts", "rebalance_experts_hierarchical"}),
+    ("bfloat16", {"balanced_packing", "replicate_experts", "rebalance_experts_hierarchical"}),
+    ("bool", {"balanced_packing", "replicate_experts", "rebalance_experts_hierarchical"}),
+    ("int32 overflowing pack sums", {"balanced_packing", "rebalance_experts_hierarchical"}),
+    ("float64", {"rebalance_experts_hierarchical"}),
+    ("float32", set()),
+])
+def test_patched_functions_answer_as_upstream_for_every_dtype(kind, upstream_runs):
+    # Upstream computes in the weight's own dtype where trainfast.eplb refuses it or sums in int64;
+    # patched, the module must still answer as upstream does: its own function runs for those.
+    from trainfast.integrations import eplb as integration
+
+    calls = []
+    module = _recording_module(calls)
+    weight = _weight(kind)
+    expected = {"balanced_packing": ref.balanced_packing(weight, 2), "replicate_experts": ref.replicate_experts(weight, 12),
+                "rebalance_experts_hierarchical": ref.rebalance_experts_hierarchical(weight, 16, 4, 2, 8)}
     integration.patch(module)
     try:
-        assert_same(module.balanced_packing(weight, 2), ref.balanced_packing(weight, 2))
-        assert_same(module.replicate_experts(weight, 12), ref.replicate_experts(weight, 12))
-        assert_same(module.balanced_packing(weight.float(), 2), ref.balanced_packing(weight.float(), 2))
+        assert_same(module.balanced_packing(weight=weight, num_packs=2), expected["balanced_packing"])
+        assert_same(module.replicate_experts(weight, 12), expected["replicate_experts"])
+        assert_same(module.rebalance_experts_hierarchical(weight, 16, 4, 2, 8), expected["rebalance_experts_hierarchical"])
     finally:
         integration.unpatch(module)
+    assert set(calls) == upstream_runs
 
 
 def test_patch_follows_the_module_not_its_name():

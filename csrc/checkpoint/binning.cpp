@@ -321,7 +321,10 @@ BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> 
     }
   }
   const SortedItems tensors = sort_tensor_items(is_bytes, sizes, interrupt);
-  if (balance == Balance::kRefined) {
+  // Equal byte loads in every bin (no byte items, or no sizes known) shift all loads alike, which
+  // neither packing nor refining can tell apart: then upstream's plan is the byte-aware one.
+  const bool bytes_differ = count_bytes && std::ranges::min(plan.bin_bytes) != std::ranges::max(plan.bin_bytes);
+  if (bytes_differ) {
     // Upstream's own plan (tensors packed as if byte items weighed nothing), refined as well: packing
     // on top of the byte loads can end in a local optimum above it, and this mode promises never to
     // be heavier than upstream. The lighter maximum wins; on a tie the byte-aware plan.
@@ -340,6 +343,7 @@ BinPlan assign_bins(std::span<const uint8_t> is_bytes, std::span<const int64_t> 
     }
   } else {
     greedy_assign(tensors, plan.bin_bytes, plan.bin_idx, interrupt);
+    if (balance == Balance::kRefined) refine(sizes, plan.bin_bytes, plan.bin_idx, interrupt);
   }
   poll(interrupt);
 

@@ -12,12 +12,14 @@ namespace trainfast::checkpoint {
 enum class Balance {
   kUpstream,  // bit-identical to upstream: bytes round-robin (sizes ignored), tensors greedy LPT
   kRefined,   // byte sizes counted, then moves/swaps out of the heaviest bin until none helps
-              // or a work budget of O((n + bins) log n) is spent
+              // or a work budget of O((n + bins) log n) is spent; upstream's own plan is refined
+              // too (when byte sizes make the bins differ) and the lighter maximum kept, so the
+              // result is never heavier than upstream's
 };
 
 struct BinPlan {
   std::vector<int64_t> bin_idx;      // [num_items] bin of each item
-  std::vector<int64_t> order;        // [num_items] item indices grouped by bin, in upstream order
+  std::vector<int64_t> order;        // [num_items] item indices grouped by bin: byte items in input order, then tensors by size
   std::vector<int64_t> bin_offsets;  // [num_bins + 1] bin b is order[bin_offsets[b]:bin_offsets[b+1]]
   std::vector<int64_t> bin_bytes;    // [num_bins] counted bytes per bin
 };

@@ -755,8 +755,15 @@ def build_model_gbuf_param_range_map(param_world_index_map: dict, gbuf_world_ran
             f"param_world_index_map must be a dict (got {type(param_world_index_map).__name__})"
         )
     return _core.buckets_param_range_map(
-        param_world_index_map, int(gbuf_world_range.start), int(gbuf_world_range.end), int(bucket_offset), range_type
+        param_world_index_map, *_range_bounds(gbuf_world_range, bucket_offset), range_type
     )
+
+
+def _range_bounds(world_range: Any, bucket_offset: Any) -> tuple[int, int, int]:
+    """(start, end, bucket_offset) as int64 values, checked (the native range builder takes int64)."""
+    return tuple(check_int(value, name, min_value=-INT64_MAX - 1, max_value=INT64_MAX) for value, name in (
+        (world_range.start, "gbuf_world_range.start"), (world_range.end, "gbuf_world_range.end"),
+        (bucket_offset, "bucket_offset")))
 
 
 def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls: Any = None) -> dict:
@@ -799,7 +806,7 @@ def _indexed_range_map(buffer: Any, world_range: Any, bucket_offset: Any, range_
     index_map = buffer.param_index_map
     if type(index_map) is not dict:
         return None
-    start, end, offset = int(world_range.start), int(world_range.end), int(bucket_offset)
+    start, end, offset = _range_bounds(world_range, bucket_offset)
     for _ in range(2):
         try:
             cached = _SNAPSHOTS.get(buffer)
@@ -861,9 +868,11 @@ class Materialized(NamedTuple):
 
 
 def _check_shape(shape: Any, name: str) -> tuple[int, ...]:
+    if isinstance(shape, np.ndarray) and shape.ndim == 1:
+        shape = shape.tolist()
     if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
         raise TypeError(f"{name} must be a shape (a sequence of ints) or a tensor (got {type(shape).__name__})")
-    return tuple(check_int(d, f"{name}[{k}]", min_value=0) for k, d in enumerate(shape))
+    return tuple(check_int(d, f"{name}[{k}]", min_value=0, max_value=INT64_MAX) for k, d in enumerate(shape))
 
 
 def materialize(
@@ -905,10 +914,12 @@ def materialize(
         items = _param_list(shapes)
         if len(items) != n:
             raise ValueError(f"shapes must have one entry per param (got {len(items)} for {n} params)")
-        num_tensors = sum(isinstance(item, torch.Tensor) for item in items)
-        if 0 < num_tensors < len(items):
-            raise TypeError("shapes must be all params (tensors) or all shapes, not a mix")
-        if num_tensors:
+        is_tensor = [isinstance(item, torch.Tensor) for item in items]
+        if any(is_tensor) and not all(is_tensor):
+            odd = is_tensor.index(not is_tensor[0])
+            raise TypeError(f"shapes must be all params (tensors) or all shapes, not a mix (shapes[0] is "
+                            f"a {type(items[0]).__name__}, shapes[{odd}] a {type(items[odd]).__name__})")
+        if any(is_tensor):
             params = items
             shape_list = [tuple(p.shape) for p in items]
         else:

@@ -239,12 +239,15 @@ def rebalance_experts(
     else:  # upstream's global policy
         _check_hierarchical(num_logical, num_replicas, 1, 1, num_gpus, "num_replicas")
         groups, nodes = 1, 1
+    # Checked before the plan is made, which takes seconds at scale.
+    previous = None if previous_phy2log is None else _previous_placement(previous_phy2log,
+                                                                         (tensor.shape[0], num_replicas))
     sum_groups = groups if _orders_groups(tie_break, groups, nodes) else 0
     phy2log, log2phy, logcnt, phyrank = _run(
         *_float32_loads(tensor, sum_groups), num_replicas, groups, nodes, num_gpus, tie_break=tie_break,
         refine=refine, avoid_gpu_duplicates=avoid_gpu_duplicates, num_threads=num_threads)
-    if previous_phy2log is not None:
-        phy2log, log2phy = _keep_previous_slots(previous_phy2log, phy2log, phyrank, log2phy.shape,
+    if previous is not None:
+        phy2log, log2phy = _keep_previous_slots(previous, phy2log, phyrank, log2phy.shape,
                                                 num_replicas // num_gpus, num_gpus // nodes)
     return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
 
@@ -350,6 +353,7 @@ def replicate_experts(weight: Any, num_phy: int, *, num_threads: int | None = No
 def _placement_table(value: Any, name: str) -> np.ndarray:
     """An integer 2-D placement table (phy2log, logcnt, ...) as int64 NumPy."""
     if isinstance(value, torch.Tensor):
+        check_has_data(value, name)
         value = value.detach().cpu()
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must have an integer dtype (got {value.dtype})")
@@ -448,17 +452,21 @@ def _match_gpus(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, gp
     return target
 
 
-def _keep_previous_slots(previous_phy2log: Any, phy2log: np.ndarray, phyrank: np.ndarray,
-                         log2phy_shape: tuple[int, ...], slots_per_gpu: int,
-                         gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """Minimal migration: permutes the GPUs inside each node, then each GPU's slots, so that as many
-    experts as possible stay in the slot they had in ``previous_phy2log``."""
+def _previous_placement(previous_phy2log: Any, shape: tuple[int, int]) -> np.ndarray:
+    """``previous_phy2log`` as an int64 array of ``shape`` `[num_layers, num_replicas]`."""
     previous = _as_tensor(previous_phy2log, "previous_phy2log")
     if previous.dtype.is_floating_point or previous.dtype.is_complex or previous.dtype == torch.bool:
         raise TypeError(f"previous_phy2log must have an integer dtype (got {previous.dtype})")
-    previous = previous.cpu().to(torch.int64).numpy()
-    if previous.shape != phy2log.shape:
-        raise ValueError(f"previous_phy2log must have shape {tuple(phy2log.shape)} (got {tuple(previous.shape)})")
+    if tuple(previous.shape) != shape:
+        raise ValueError(f"previous_phy2log must have shape {shape} (got {tuple(previous.shape)})")
+    return previous.cpu().to(torch.int64).numpy()
+
+
+def _keep_previous_slots(previous: np.ndarray, phy2log: np.ndarray, phyrank: np.ndarray,
+                         log2phy_shape: tuple[int, ...], slots_per_gpu: int,
+                         gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Minimal migration: permutes the GPUs inside each node, then each GPU's slots, so that as many
+    experts as possible stay in the slot they had in ``previous`` (the checked ``previous_phy2log``)."""
     num_layers, num_slots = phy2log.shape
     num_gpus = num_slots // slots_per_gpu
     new_phy2log = np.empty_like(phy2log)

@@ -21,7 +21,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from trainfast._util import resolve_num_threads
+from trainfast._util import check_has_data, resolve_num_threads
 from trainfast.bpe.pretokenize import _check_special_tokens
 
 __all__ = ["Tokenizer", "load_merges", "load_vocab"]
@@ -251,6 +251,7 @@ def _id_list(ids: Any) -> Any:
         raise TypeError(f"ids must be a sequence of int (got {type(ids).__name__})")
     if hasattr(ids, "tolist") and callable(ids.tolist):  # numpy array / torch tensor
         if hasattr(ids, "detach"):
+            check_has_data(ids, "ids")
             ids = ids.detach().cpu()
         if getattr(ids, "ndim", None) == 1:
             # In slices: one tolist() of tens of millions of ids is a C loop Ctrl-C cannot stop.

@@ -15,7 +15,7 @@ _DEMO_CORPUS = Path(__file__).resolve().parents[1] / "bpe" / "data" / "corpus.en
 def add_pretokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     """--special-token, --pattern, --threads and --errors: how a command that reads text files splits it."""
     parser.add_argument("--special-token", action="append", default=[], dest="special_tokens",
-                        help="special token (repeatable), e.g. '<|endoftext|>'; the text is split on it first")
+                        help="special token (repeatable), e.g. '<|endoftext|>': split out first, never counted")
     parser.add_argument("--pattern", default="gpt2", help="gpt2 (default), cl100k, o200k or a regular expression")
     parser.add_argument("--threads", type=int, default=None, help="pre-tokenizer threads (default: all cores)")
     parser.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],

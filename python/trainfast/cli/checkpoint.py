@@ -7,7 +7,7 @@ import time
 
 from trainfast._util import MAX_NUM_THREADS, check_int
 
-# The demo model is built as Python WriteItem objects (~100 per layer): a bound keeps it in memory.
+# The demo model is built as Python WriteItem objects (~30 per layer): a bound keeps it in memory.
 MAX_DEMO_LAYERS = 10_000
 
 _NAME = "checkpoint"

@@ -109,9 +109,12 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
 
     from trainfast import eplb
 
-    gpus = check_int(gpus, "--gpus", min_value=1)
-    groups = check_int(groups, "--groups", min_value=1)
-    nodes = check_int(nodes, "--nodes", min_value=1)
+    # The library's own bound (2^62), checked here so the error names the flag.
+    gpus = check_int(gpus, "--gpus", min_value=1, max_value=2**62 - 1)
+    groups = check_int(groups, "--groups", min_value=1, max_value=2**62 - 1)
+    nodes = check_int(nodes, "--nodes", min_value=1, max_value=2**62 - 1)
+    if replicas is not None:
+        replicas = check_int(replicas, "--replicas", min_value=1, max_value=2**62 - 1)
     if plot:
         _figure_class()  # fail before any work when the optional dependency is missing
     for option, out in (("--save", save), ("--plot", plot)):  # fail before the work, not after it

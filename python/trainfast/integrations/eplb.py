@@ -7,7 +7,10 @@
 ['my_copy_of_eplb.balanced_packing', ...]
 
 Outputs are unchanged (bit-identical on the same torch); SGLang's extra ``enable_hierarchical``
-argument is accepted.
+argument is accepted. Where upstream computes in the weight's own dtype and trainfast does not
+reproduce it (float16/bfloat16/bool helper weights, a non-float32 weight given to
+``rebalance_experts_hierarchical`` directly, narrow integer pack sums that would wrap around), the
+module's own function runs (upstream's speed).
 """
 
 from __future__ import annotations
@@ -58,21 +61,43 @@ def _resolve(module: ModuleType | str | None) -> ModuleType:
     raise ImportError("no module with DeepSeek's EPLB API found; pass one to patch() (" + "; ".join(errors) + ")")
 
 
+def _computes_in_own_dtype(name: str, weight: Any) -> bool:
+    """Whether upstream's ``name`` computes in ``weight``'s dtype in a way trainfast's does not
+    reproduce (trainfast's refuses such weights): then the module's own function answers.
+
+    The hierarchical policy computes in any dtype but float32 (what ``rebalance_experts`` passes);
+    the helpers in float16, bfloat16 and bool, and ``balanced_packing`` sums a narrow integer dtype
+    in that dtype, wrapping around where trainfast's int64 sums would not.
+    """
+    import torch
+
+    from trainfast import eplb
+
+    dtype = weight.dtype
+    if dtype.is_complex or weight.device.type == "meta":
+        return False  # no meaningful loads: trainfast's names the problem
+    if name == "rebalance_experts_hierarchical":
+        return dtype != torch.float32
+    if name not in ("balanced_packing", "replicate_experts"):
+        return False
+    if dtype not in eplb.HELPER_DTYPES:
+        return True
+    if name == "balanced_packing" and dtype in (torch.int8, torch.int16, torch.int32, torch.uint8) and weight.numel():
+        return int(weight.detach().to(torch.int64).abs().sum(-1).max()) > torch.iinfo(dtype).max
+    return False
+
+
 def _replacement(name: str, original: Any) -> Any:
     import torch
 
     from trainfast import eplb
 
     ours = getattr(eplb, name)
-    # The helpers compute in the weight's dtype; for a dtype the native core does not reproduce
-    # (float16, bfloat16, bool), the module's own function gives upstream's answer.
-    weighs_in_own_dtype = name in ("balanced_packing", "replicate_experts")
 
     @functools.wraps(original)
     def replacement(*args: Any, **kwargs: Any) -> Any:
         weight = args[0] if args else kwargs.get("weight")
-        if weighs_in_own_dtype and isinstance(weight, torch.Tensor) and \
-                not weight.dtype.is_complex and weight.dtype not in eplb.HELPER_DTYPES:
+        if isinstance(weight, torch.Tensor) and _computes_in_own_dtype(name, weight):
             return original(*args, **kwargs)
         return ours(*args, **kwargs)
 
