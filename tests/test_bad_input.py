@@ -402,7 +402,7 @@ CASES += [
     Case("bpe.save", "wrong value", lambda: bpe.save({0: b"a", 1: b"ab"}, [(b"a", b"b")], _dir() / "tok"), ValueError, r"merges\[0\].*right token b'b' is not in vocab"),
     Case("bpe.save", "wrong type", lambda: bpe.save(_TINY_VOCAB, 5, _dir() / "tok"), TypeError, "merges"),
     Case("bpe.save", "missing/unreadable file", lambda: bpe.save(_TINY_VOCAB, [], _file("not-a-dir", b"x")), OSError, "not-a-dir"),
-    Case("bpe.load", "malformed string", lambda: bpe.load(Path(_file("vocab.json", b"")).parent), ValueError, r"vocab\.json: malformed JSON"),
+    Case("bpe.load", "malformed string", lambda: bpe.load(Path(_file("vocab.json", b"")).parent), ValueError, r"vocab\.json:1: malformed JSON"),
     Case("bpe.load", "invalid UTF-8", lambda: bpe.load(Path(_file("vocab.json", b'{"\xff": 0}')).parent), ValueError, r"vocab\.json"),
     Case("bpe.tokenizer.load_vocab", "invalid UTF-8", lambda: bpe_tokenizer.load_vocab(_file("v.json", b'{"\xff": 0}')), ValueError, r"v\.json: not valid UTF-8"),
     Case("bpe.tokenizer.load_vocab", "malformed object", lambda: bpe_tokenizer.load_vocab(_file("v.json", b"[1, 2]")), ValueError, r"v\.json:1"),
@@ -523,6 +523,13 @@ CASES += [
     Case("bpe.Tokenizer.from_files", "invalid UTF-8", lambda: bpe.Tokenizer.from_files(_file("v.json", b'{"\xff": 0}'), _file("m.txt", b"")), ValueError, r"v\.json: not valid UTF-8"),
 ]
 
+def _saved_dir(vocab_json: str, merges_txt: str) -> Path:
+    """A directory holding vocab.json and merges.txt with these texts (as `bpe.save` names them)."""
+    directory = Path(_file("vocab.json", vocab_json.encode())).parent
+    (directory / "merges.txt").write_text(merges_txt, encoding="utf-8")
+    return directory
+
+
 # Found in review: counts past int64, meta tensors (a shape, no data), bad shapes, demo sizes.
 _META = torch.device("meta")
 CASES += [
@@ -552,6 +559,11 @@ CASES += [
     Case("buckets.materialize", "int64 overflow", lambda: buckets.materialize(buckets.plan_layout([0]), shapes=[(2**70, 0)]), ValueError, r"shapes\[0\]\[0\]"),
     Case("trainfast eplb (CLI)", "int64 overflow", lambda: _cli("eplb", "--gpus", str(2**63)), ValueError, "--gpus"),
     Case("trainfast eplb (CLI)", "zero", lambda: _cli("eplb", "--replicas", "0"), ValueError, "--replicas"),
+    Case("bpe.load", "malformed object", lambda: bpe.load(_saved_dir('{"a": 0, "b": 0}', "")), ValueError, r"vocab\.json:1: id 0 of 'b' is already used"),
+    Case("bpe.load", "malformed string", lambda: bpe.load(_saved_dir('{"a": 0, "b": 1}', "a \n")), ValueError, r"merges\.txt:1: expected 'left right'"),
+    Case("bpe.load", "wrong value", lambda: bpe.load(_saved_dir('{"a": 0, "b": 1}', "a b\n")), ValueError, r"merges\.txt:1: .*unknown token"),
+    Case("bpe.export.to_tiktoken", "wrong value", lambda: bpe_export.to_tiktoken({i: bytes([i]) for i in range(256)} | {256: b"<|a", 257: b"<|a|>"}, [], ["<|a", "<|a|>"]), ValueError, "starts with special token"),
+    Case("bpe.WordCounts.from_bytes", "malformed object", lambda: bpe.WordCounts.from_bytes(bpe.WordCounts._trusted({b"ab": 1}, "gpt2", ["x", "x"]).to_bytes()), ValueError, r"special_tokens\[1\]"),
 ]
 
 # Inputs that look unusual but are valid: they must work and equal the plain call.

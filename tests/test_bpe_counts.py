@@ -328,6 +328,26 @@ def test_cli_count_then_train_from_counts(parts, tmp_path, capsys):
     assert "distinct pre-tokens" in capsys.readouterr().out
 
 
+def test_cli_pattern_of_the_counts_under_another_spelling(parts, tmp_path):
+    from trainfast.cli import main
+
+    counts = str(tmp_path / "c.tfwc")
+    assert main(["bpe", "count", str(parts[0]), "--out", counts, "--pattern", "cl100k", "--no-progress"]) == 0
+    for spelling in ("cl100k_base", "cl100k"):
+        assert main(["bpe", "train", "--from-counts", counts, "--vocab-size", "300", "--pattern", spelling,
+                     "--out", str(tmp_path / spelling), "--no-progress"]) == 0
+    assert main(["bpe", "train", "--from-counts", counts, "--vocab-size", "300", "--pattern", "o200k",
+                 "--out", str(tmp_path / "o200k"), "--no-progress"]) == 2
+
+
+def test_counts_of_a_pattern_matching_the_empty_string_save_and_load():
+    # regex.findall(r"a*", "baab") has empty matches; an empty word has no pair, so it is not kept.
+    counts = count_words(iter(["baab"]), pattern=r"a*", show_progress=False)
+    assert counts.counts == {b"aa": 1}
+    assert WordCounts.from_bytes(counts.to_bytes()) == counts
+    assert train_from_counts(counts, 258) == train_bpe(iter(["baab"]), 258, pattern=r"a*", show_progress=False)
+
+
 def test_cli_bad_input(parts, tmp_path):
     from trainfast.cli import main
 

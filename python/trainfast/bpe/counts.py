@@ -186,6 +186,12 @@ class WordCounts:
                 not all(isinstance(t, str) and t for t in special_tokens) or \
                 isinstance(num_words, bool) or not isinstance(num_words, int) or num_words < 0:
             raise corrupt("malformed header fields")
+        from trainfast.bpe.pretokenize import _check_special_tokens
+
+        try:
+            _check_special_tokens(special_tokens, unique=True)
+        except ValueError as error:
+            raise corrupt(f"bad special tokens in the header ({error})") from None
         pos += header_len
         end = len(data) - 4
         if pos + 12 * num_words > end:
@@ -265,6 +271,9 @@ def count_words(
     counts = count_pretokens(inputs, pattern=pattern, special_tokens=tuple(special_tokens),
                              num_threads=resolve_num_threads(num_threads), errors=errors,
                              show_progress=show_progress)
+    # A custom regex may match the empty string: such a word has no pair to merge, and WordCounts
+    # (its file format included) holds non-empty words only.
+    counts.pop(b"", None)
     return WordCounts._trusted(counts, pattern, special_tokens)
 
 

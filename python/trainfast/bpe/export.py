@@ -191,8 +191,10 @@ def to_tiktoken(
 ) -> tuple[dict[bytes, int], Any]:
     """``(mergeable_ranks, tiktoken.Encoding)`` of a BPE tokenizer (ranks are the vocab ids).
 
-    tiktoken needs: every non-special token is a single byte or the result of exactly one merge, and
-    merge results' ids increase with merge order (true of ``train_bpe`` output and GPT-2's files).
+    tiktoken needs: every non-special token is a single byte or the result of exactly one merge,
+    merge results' ids increase with merge order (true of ``train_bpe`` output and GPT-2's files),
+    and, where a special token is a prefix of another, tiktoken's own order of trying them must put
+    the longer first (it does not match longest first; checked, ValueError otherwise).
     ``pattern`` is ``"gpt2"`` (tiktoken's published gpt2 regex), ``"cl100k"``, ``"o200k"`` or a regex.
     """
     import tiktoken
@@ -228,4 +230,13 @@ def to_tiktoken(
         mergeable_ranks=ranks,
         special_tokens={token: token_to_id[token.encode("utf-8")] for token in special_tokens},
     )
+    # tiktoken tries special tokens in an order of its own, not longest first. Where one is a prefix
+    # of another, the longer must win on its own text; then it wins everywhere (the tokens matching
+    # at one position are all prefixes of each other).
+    for token in special_tokens:
+        shorter = [other for other in special_tokens if other != token and token.startswith(other)]
+        if shorter and encoding.encode(token, allowed_special="all") != [token_to_id[token.encode("utf-8")]]:
+            raise ValueError(f"special token {token!r} starts with special token {shorter[0]!r}, and tiktoken "
+                             f"matches the shorter one there (its order, not longest first): its ids would "
+                             f"differ from ours")
     return ranks, encoding

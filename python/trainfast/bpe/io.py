@@ -43,14 +43,6 @@ def _encode(token: bytes) -> str:
     return "".join(table[b] for b in token)
 
 
-def _decode(text: str, what: str) -> bytes:
-    table = _unicode_to_bytes()
-    try:
-        return bytes(table[char] for char in text)
-    except KeyError as error:
-        raise ValueError(f"{what}: {text!r} has a character outside GPT-2's byte map ({error.args[0]!r})") from None
-
-
 def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: str | os.PathLike[str]) -> None:
     """Writes ``out_dir/vocab.json`` and ``out_dir/merges.txt`` (each atomically: temp + rename).
 
@@ -89,30 +81,10 @@ def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: st
 
 
 def load(out_dir: str | os.PathLike[str]) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
-    """Reads what :func:`save` wrote (or GPT-2 / CS336 fixture files): ``(vocab, merges)``."""
+    """Reads what :func:`save` wrote (or GPT-2 / CS336 fixture files): ``(vocab, merges)``, checked
+    as :class:`Tokenizer.from_files` checks them (errors name the file and line)."""
+    from trainfast.bpe.tokenizer import load_merges, load_vocab
+
     out = Path(out_dir)
-    with open(out / VOCAB_FILE, encoding="utf-8") as f:
-        try:
-            vocab_json = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{out / VOCAB_FILE}: malformed JSON ({error})") from None
-    if not isinstance(vocab_json, dict):
-        raise ValueError(f"{out / VOCAB_FILE} must hold a JSON object")
-    vocab = {}
-    for text, token_id in vocab_json.items():
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise ValueError(f"{out / VOCAB_FILE}: id of {text!r} must be an int (got {token_id!r})")
-        vocab[token_id] = _decode(text, str(out / VOCAB_FILE))
-    vocab = dict(sorted(vocab.items()))
-    merges = []
-    with open(out / MERGES_FILE, encoding="utf-8", newline="\n") as f:
-        for line_no, line in enumerate(f, start=1):
-            line = line.rstrip("\n").rstrip("\r")  # as load_merges reads it: CRLF files too
-            if line.startswith("#version") and line_no == 1 or not line:
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"{out / MERGES_FILE}:{line_no}: expected 'left right' (got {line!r})")
-            where = f"{out / MERGES_FILE}:{line_no}"
-            merges.append((_decode(parts[0], where), _decode(parts[1], where)))
-    return vocab, merges
+    vocab = load_vocab(out / VOCAB_FILE)
+    return vocab, load_merges(out / MERGES_FILE, vocab)

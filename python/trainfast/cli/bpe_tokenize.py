@@ -87,13 +87,14 @@ def _train_command(args: argparse.Namespace, corpus_handler) -> int:
     if args.corpus:
         raise ValueError("give either text files or --from-counts, not both")
     from trainfast.bpe import save
-    from trainfast.bpe.counts import WordCounts, train_from_counts
+    from trainfast.bpe.counts import WordCounts, _pattern_key, train_from_counts
 
     start = time.perf_counter()
     counts = WordCounts.load(args.from_counts[0])
     for path in args.from_counts[1:]:
         counts += WordCounts.load(path)
-    if args.pattern != "gpt2" and args.pattern != counts.pattern:
+    # "gpt2" is also the flag's default, so only another pattern can disagree ("cl100k_base" is "cl100k").
+    if _pattern_key(args.pattern) not in ("gpt2", _pattern_key(counts.pattern)):
         raise ValueError(f"--pattern {args.pattern!r} differs from the counts' pattern {counts.pattern!r}")
     special_tokens = args.special_tokens or None
     vocab, merges = train_from_counts(counts, args.vocab_size, special_tokens, show_progress=not args.no_progress)
