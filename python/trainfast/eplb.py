@@ -285,9 +285,11 @@ def rebalance_experts_hierarchical(
     return torch.from_numpy(phy2log), torch.from_numpy(phyrank), torch.from_numpy(logcnt)
 
 
+# Narrow integer weights are summed in int64 here; upstream's pack sums stay in their dtype.
+NARROW_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.uint8)
 # The weight dtypes of balanced_packing / replicate_experts: upstream computes in the weight's own
 # dtype, and the native core reproduces that arithmetic for these.
-HELPER_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int8, torch.int16, torch.int32, torch.uint8)
+HELPER_DTYPES = (torch.float32, torch.float64, torch.int64, *NARROW_INT_DTYPES)
 
 
 def _helper_weight(weight: Any) -> tuple[torch.Tensor, np.ndarray]:
@@ -295,7 +297,7 @@ def _helper_weight(weight: Any) -> tuple[torch.Tensor, np.ndarray]:
     tensor = _weight_2d(weight)
     if tensor.dtype in (torch.float32, torch.float64, torch.int64):
         native = tensor.cpu().contiguous()
-    elif tensor.dtype in HELPER_DTYPES:
+    elif tensor.dtype in NARROW_INT_DTYPES:
         native = tensor.cpu().to(torch.int64).contiguous()  # same result unless upstream's narrow sums overflow
     else:
         raise TypeError(f"weight must be float32, float64 or an integer dtype (got {tensor.dtype})")

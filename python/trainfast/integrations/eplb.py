@@ -82,7 +82,7 @@ def _computes_in_own_dtype(name: str, weight: Any) -> bool:
         return False
     if dtype not in eplb.HELPER_DTYPES:
         return True
-    if name == "balanced_packing" and dtype in (torch.int8, torch.int16, torch.int32, torch.uint8) and weight.numel():
+    if name == "balanced_packing" and dtype in eplb.NARROW_INT_DTYPES and weight.numel():
         return int(weight.detach().to(torch.int64).abs().sum(-1).max()) > torch.iinfo(dtype).max
     return False
 
