@@ -230,9 +230,19 @@ def test_counts_beyond_32_bits():
     assert got[1][0] == (b"x", b"y")  # 3 * 2^59 occurrences beats 2^40-ish
 
 
-def test_pair_count_overflow_is_an_error():
-    with pytest.raises(ValueError, match="word_counts"):
-        train_from_counts({b"abc": 2**62, b"de": 2**62}, 300, show_progress=False)
+@pytest.mark.parametrize(
+    "word_counts",
+    [{b"abc": 2**62, b"de": 2**62}, {b"abc": 2**63 - 1, b"xyz": 2**63 - 1, b"pq": 1, b"qpq": 2}],
+)
+def test_counts_near_2_63_train_while_every_pair_count_fits(word_counts):
+    # Pair counts over all words pass 2^63-1, but no single pair's: later pairs never count more
+    # than one byte pair does, so training is exact in 64 bits.
+    assert train_from_counts(word_counts, 262, show_progress=False) == ref.train_from_counts(word_counts, 262)
+
+
+def test_a_byte_pair_counted_past_2_63_names_the_pair():
+    with pytest.raises(ValueError, match=r"word_counts: the byte pair \(97, 98\) occurs more than 2\^63-1 times"):
+        train_from_counts({b"ab": 2**63 - 1, b"xab": 1}, 300, show_progress=False)
 
 
 # --- Bad input ------------------------------------------------------------------------------------

@@ -69,23 +69,24 @@ class Trainer {
                  "must be < 2^31");
     symbols_.reserve(total_bytes);
     std::vector<int32_t> byte_pair(256 * 256, kNone);  // pair index by left * 256 + right
-    int64_t total_weight = 0;  // bounds every pair count for the whole run (pair weight only shrinks)
     for (size_t i = 0; i < num_words; ++i) {
       if ((i & 0xffff) == 0xffff) poll_interrupt();
       const auto [data, size, count] = word_at(i);
       TF_CHECK_ARG(count >= 1, "word_counts", count, "must be >= 1");
       if (size < 2) continue;  // a single byte has no pair and never changes
-      int64_t weight = 0;
-      TF_CHECK_ARG(!__builtin_mul_overflow(count, static_cast<int64_t>(size) - 1, &weight) &&
-                       !__builtin_add_overflow(total_weight, weight, &total_weight),
-                   "word_counts", count, "sum to more than 2^63-1 pairs");
       const int32_t word_idx = static_cast<int32_t>(word_count_.size());
       const int32_t base = static_cast<int32_t>(symbols_.size());
       const int32_t last = static_cast<int32_t>(size) - 1;
       for (int32_t k = 0; k < last; ++k) {
         int32_t& idx = byte_pair[data[k] * 256 + data[k + 1]];
         if (idx == kNone) idx = add_pair(data[k], data[k + 1]);
-        pairs_[idx].count += count;
+        // Every later pair count is at most one byte pair's: each occurrence of a merged pair
+        // covers its own boundary between two adjacent bytes. So this check bounds the whole run.
+        if (__builtin_add_overflow(pairs_[idx].count, count, &pairs_[idx].count)) {
+          throw std::invalid_argument("word_counts: the byte pair (" + std::to_string(data[k]) + ", " +
+                                      std::to_string(data[k + 1]) +
+                                      ") occurs more than 2^63-1 times, counting each word's count");
+        }
         ++pair_end_[idx];  // number of occurrences, for now
         symbols_.push_back({k == 0 ? kNone : base + k - 1, base + k + 1, idx, word_idx});
       }

@@ -92,7 +92,11 @@ def train_from_counts(
     *,
     show_progress: bool = True,
 ) -> tuple[Vocab, Merges]:
-    """``train_bpe`` from pre-token counts (``{pre-token bytes: count}``, counts in [1, 2^63-1])."""
+    """``train_bpe`` from pre-token counts (``{pre-token bytes: count}``, counts in [1, 2^63-1]).
+
+    Pair counts are 64-bit: a byte pair counted more than 2^63-1 times over all words (each
+    occurrence weighted by its word's count) raises ValueError naming the pair.
+    """
     if not isinstance(word_counts, dict):
         raise TypeError(f"word_counts must be a dict[bytes, int] (got {type(word_counts).__name__})")
     special_tokens = _check_special_tokens(special_tokens, unique=True)
