@@ -340,6 +340,36 @@ def test_cli_pattern_of_the_counts_under_another_spelling(parts, tmp_path):
                  "--out", str(tmp_path / "o200k"), "--no-progress"]) == 2
 
 
+def test_cli_pattern_must_match_the_counts_pattern(parts, tmp_path, caplog):
+    from trainfast.bpe import load
+    from trainfast.bpe.pretokenize import PATTERNS
+    from trainfast.cli import main
+
+    counts = str(tmp_path / "c.tfwc")
+    assert main(["bpe", "count", str(parts[0]), "--out", counts, "--pattern", "cl100k_base", "--no-progress"]) == 0
+    # gpt2, by name or as its regex text, is no longer let through as "the flag's default".
+    for pattern in ("gpt2", PATTERNS["gpt2"]):
+        caplog.clear()
+        assert main(["bpe", "train", "--from-counts", counts, "--vocab-size", "300", "--pattern", pattern,
+                     "--out", str(tmp_path / "refused"), "--no-progress"]) == 2
+        assert f"--pattern {pattern!r} differs from the counts' pattern 'cl100k_base'" in caplog.text
+    assert not (tmp_path / "refused").exists()
+    # No --pattern: the counts' own pattern, so the same merges as training on the text with cl100k.
+    assert main(["bpe", "train", "--from-counts", counts, "--vocab-size", "400",
+                 "--out", str(tmp_path / "own"), "--no-progress"]) == 0
+    assert load(tmp_path / "own") == train_bpe([parts[0]], 400, pattern="cl100k", show_progress=False)
+
+
+def test_cli_train_on_text_defaults_to_gpt2(parts, tmp_path):
+    from trainfast.bpe import load
+    from trainfast.cli import main
+
+    assert main(["bpe", "train", str(parts[0]), "--vocab-size", "400", "--out", str(tmp_path / "t"),
+                 "--no-progress"]) == 0
+    assert load(tmp_path / "t") == train_bpe([parts[0]], 400, pattern="gpt2", show_progress=False)
+    assert load(tmp_path / "t") != train_bpe([parts[0]], 400, pattern="cl100k", show_progress=False)
+
+
 def test_counts_of_a_pattern_matching_the_empty_string_save_and_load():
     # regex.findall(r"a*", "baab") has empty matches; an empty word has no pair, so it is not kept.
     counts = count_words(iter(["baab"]), pattern=r"a*", show_progress=False)

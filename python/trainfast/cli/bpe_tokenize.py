@@ -93,8 +93,9 @@ def _train_command(args: argparse.Namespace, corpus_handler) -> int:
     counts = WordCounts.load(args.from_counts[0])
     for path in args.from_counts[1:]:
         counts += WordCounts.load(path)
-    # "gpt2" is also the flag's default, so only another pattern can disagree ("cl100k_base" is "cl100k").
-    if _pattern_key(args.pattern) not in ("gpt2", _pattern_key(counts.pattern)):
+    # Training never re-reads the text, so --pattern can only be a check: any spelling of the counts'
+    # pattern passes ("cl100k_base" is "cl100k", the GPT-2 regex text is "gpt2"), anything else is refused.
+    if args.pattern is not None and _pattern_key(args.pattern) != _pattern_key(counts.pattern):
         raise ValueError(f"--pattern {args.pattern!r} differs from the counts' pattern {counts.pattern!r}")
     special_tokens = args.special_tokens or None
     vocab, merges = train_from_counts(counts, args.vocab_size, special_tokens, show_progress=not args.no_progress)
