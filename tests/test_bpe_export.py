@@ -193,3 +193,29 @@ def test_tiktoken_needs_rank_order():
     ranks, encoding = to_tiktoken(vocab, [(b"a", b"b"), (b"c", b"d")])
     assert encoding.encode("abcd") == Tokenizer(vocab, [(b"a", b"b"), (b"c", b"d")]).encode("abcd") == [256, 257]
     assert isinstance(encoding, tiktoken.Encoding)
+
+
+def _tiktoken_match(vocab: dict[int, bytes], specials: list[str], text: str) -> list[int]:
+    """tiktoken's ids for `text`, built as to_tiktoken builds it (specials inserted in list order):
+    which of two prefix-related specials it tries first is its hash map's order (of the tokens and
+    their insertion order), which a tiktoken release may change."""
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    ids = {token: token_id for token_id, token in vocab.items()}
+    encoding = tiktoken.Encoding("probe", pat_str=r50k_pat_str, mergeable_ranks={bytes([i]): i for i in range(256)},
+                                 special_tokens={token: ids[token.encode()] for token in specials})
+    return encoding.encode(text, allowed_special="all")
+
+
+def test_tiktoken_prefix_error_names_the_token_tiktoken_matched():
+    # "xbc" has two special prefixes; the error must name the one tiktoken matches, not the first listed.
+    vocab = {**_byte_vocab(), 256: b"x", 257: b"xb", 258: b"xbc"}
+    specials = ["x", "xb", "xbc"]
+    first_ids = {token: _tiktoken_match(vocab, specials, token) for token in specials}
+    refused = [(token, vocab[ids[0]].decode()) for token, ids in first_ids.items() if ids != [256 + specials.index(token)]]
+    if not refused:
+        assert to_tiktoken(vocab, [], specials)[1].encode("xbcxbx", allowed_special="all") == [258, 257, 256]
+        return
+    token, matched = refused[0]
+    with pytest.raises(ValueError, match=f"special token '{token}' starts with special token '{matched}',"):
+        to_tiktoken(vocab, [], specials)

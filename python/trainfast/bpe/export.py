@@ -234,9 +234,13 @@ def to_tiktoken(
     # of another, the longer must win on its own text; then it wins everywhere (the tokens matching
     # at one position are all prefixes of each other).
     for token in special_tokens:
-        shorter = [other for other in special_tokens if other != token and token.startswith(other)]
-        if shorter and encoding.encode(token, allowed_special="all") != [token_to_id[token.encode("utf-8")]]:
-            raise ValueError(f"special token {token!r} starts with special token {shorter[0]!r}, and tiktoken "
+        if not any(other != token and token.startswith(other) for other in special_tokens):
+            continue
+        ids = encoding.encode(token, allowed_special="all")
+        if ids != [token_to_id[token.encode("utf-8")]]:
+            # Name the prefix tiktoken actually matched (with several prefixes, not necessarily the first listed).
+            matched = encoding.decode_single_token_bytes(ids[0]).decode("utf-8")
+            raise ValueError(f"special token {token!r} starts with special token {matched!r}, and tiktoken "
                              f"matches the shorter one there (its order, not longest first): its ids would "
                              f"differ from ours")
     return ranks, encoding
