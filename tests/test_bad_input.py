@@ -530,6 +530,26 @@ def _saved_dir(vocab_json: str, merges_txt: str) -> Path:
     return directory
 
 
+def _tiktoken_refused_specials() -> dict[str, object]:
+    """to_tiktoken's arguments with two special tokens, one a prefix of the other, listed in an order for
+    which tiktoken matches the shorter inside the longer, so to_tiktoken must refuse them. tiktoken tries
+    specials in its hash map's order, which a release may change, so such an order is looked for."""
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    ranks = {bytes([i]): i for i in range(256)}
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        short, long = f"<|{letter}", f"<|{letter}|>"
+        ids = {short: 256, long: 257}
+        for specials in ([short, long], [long, short]):
+            encoding = tiktoken.Encoding("probe", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                         special_tokens={token: ids[token] for token in specials})
+            if encoding.encode(long, allowed_special="all") != [257]:
+                vocab = {i: bytes([i]) for i in range(256)} | {256: short.encode(), 257: long.encode()}
+                return {"vocab": vocab, "merges": [], "special_tokens": specials}
+    pytest.skip("this tiktoken matched the longer special token first in every order tried")
+
+
 # Found in review: counts past int64, meta tensors (a shape, no data), bad shapes, demo sizes.
 _META = torch.device("meta")
 CASES += [
@@ -562,7 +582,7 @@ CASES += [
     Case("bpe.load", "malformed object", lambda: bpe.load(_saved_dir('{"a": 0, "b": 0}', "")), ValueError, r"vocab\.json:1: id 0 of 'b' is already used"),
     Case("bpe.load", "malformed string", lambda: bpe.load(_saved_dir('{"a": 0, "b": 1}', "a \n")), ValueError, r"merges\.txt:1: expected 'left right'"),
     Case("bpe.load", "wrong value", lambda: bpe.load(_saved_dir('{"a": 0, "b": 1}', "a b\n")), ValueError, r"merges\.txt:1: .*unknown token"),
-    Case("bpe.export.to_tiktoken", "wrong value", lambda: bpe_export.to_tiktoken({i: bytes([i]) for i in range(256)} | {256: b"<|a", 257: b"<|a|>"}, [], ["<|a", "<|a|>"]), ValueError, "starts with special token"),
+    Case("bpe.export.to_tiktoken", "wrong value", lambda: bpe_export.to_tiktoken(**_tiktoken_refused_specials()), ValueError, "starts with special token"),
     Case("bpe.WordCounts.from_bytes", "malformed object", lambda: bpe.WordCounts.from_bytes(bpe.WordCounts._trusted({b"ab": 1}, "gpt2", ["x", "x"]).to_bytes()), ValueError, r"special_tokens\[1\]"),
 ]
 

@@ -207,6 +207,19 @@ def _tiktoken_match(vocab: dict[int, bytes], specials: list[str], text: str) -> 
     return encoding.encode(text, allowed_special="all")
 
 
+@pytest.mark.parametrize("specials", [["<|a", "<|a|>"], ["<|a|>", "<|a"]])
+def test_tiktoken_prefix_special_tokens(specials):
+    # Refused exactly when tiktoken would match the shorter token inside the longer one; otherwise the
+    # encoding must give each its own id (whichever order this tiktoken version tries them in).
+    vocab = {**_byte_vocab(), 256: b"<|a", 257: b"<|a|>"}
+    if _tiktoken_match(vocab, specials, "<|a|>") != [257]:
+        with pytest.raises(ValueError, match=r"special token '<\|a\|>' starts with special token '<\|a'"):
+            to_tiktoken(vocab, [], specials)
+    else:
+        _, encoding = to_tiktoken(vocab, [], specials)
+        assert encoding.encode("z<|a|>z<|a", allowed_special="all") == [ord("z"), 257, ord("z"), 256]
+
+
 def test_tiktoken_prefix_error_names_the_token_tiktoken_matched():
     # "xbc" has two special prefixes; the error must name the one tiktoken matches, not the first listed.
     vocab = {**_byte_vocab(), 256: b"x", 257: b"xb", 258: b"xbc"}
