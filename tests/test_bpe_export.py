@@ -225,7 +225,8 @@ def test_tiktoken_prefix_error_names_the_token_tiktoken_matched():
     vocab = {**_byte_vocab(), 256: b"x", 257: b"xb", 258: b"xbc"}
     specials = ["x", "xb", "xbc"]
     first_ids = {token: _tiktoken_match(vocab, specials, token) for token in specials}
-    refused = [(token, vocab[ids[0]].decode()) for token, ids in first_ids.items() if ids != [256 + specials.index(token)]]
+    refused = [(token, vocab[ids[0]].decode()) for token, ids in first_ids.items()
+               if ids != [256 + specials.index(token)]]
     if not refused:
         assert to_tiktoken(vocab, [], specials)[1].encode("xbcxbx", allowed_special="all") == [258, 257, 256]
         return
