@@ -373,9 +373,18 @@ def test_cli_train_on_text_defaults_to_gpt2(parts, tmp_path):
 def test_counts_of_a_pattern_matching_the_empty_string_save_and_load():
     # regex.findall(r"a*", "baab") has empty matches; an empty word has no pair, so it is not kept.
     counts = count_words(iter(["baab"]), pattern=r"a*", show_progress=False)
-    assert counts.counts == {b"aa": 1}
+    assert counts.counts == {b"aa": 1} and counts.total == 1
     assert WordCounts.from_bytes(counts.to_bytes()) == counts
     assert train_from_counts(counts, 258) == train_bpe(iter(["baab"]), 258, pattern=r"a*", show_progress=False)
+
+
+def test_cli_count_total_leaves_out_empty_matches(tmp_path, capsys):
+    from trainfast.cli import main
+
+    (tmp_path / "t.txt").write_text("baab", encoding="utf-8")
+    assert main(["bpe", "count", str(tmp_path / "t.txt"), "--out", str(tmp_path / "c.tfwc"), "--pattern", "a*",
+                 "--no-progress"]) == 0
+    assert "1 distinct pre-tokens, 1 in all (empty matches not counted)" in capsys.readouterr().out
 
 
 def test_cli_bad_input(parts, tmp_path):

@@ -88,7 +88,7 @@ class WordCounts:
 
     @property
     def total(self) -> int:
-        """Number of pre-tokens counted (sum of counts)."""
+        """Number of pre-tokens counted (sum of counts); empty regex matches are not counted."""
         return sum(self._counts.values())
 
     def __len__(self) -> int:

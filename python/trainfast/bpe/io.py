@@ -82,7 +82,9 @@ def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: st
 
 def load(out_dir: str | os.PathLike[str]) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Reads what :func:`save` wrote (or GPT-2 / CS336 fixture files): ``(vocab, merges)``, checked
-    as :class:`Tokenizer.from_files` checks them (errors name the file and line)."""
+    as ``load_vocab``/``load_merges`` check them (errors name the file and the line, or for invalid
+    UTF-8 the byte offset). Unlike ``Tokenizer.from_files`` it does not require all 256 single-byte
+    tokens: :func:`save` writes any vocab, and what it writes loads back."""
     from trainfast.bpe.tokenizer import load_merges, load_vocab
 
     out = Path(out_dir)

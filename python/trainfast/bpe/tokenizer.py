@@ -337,7 +337,8 @@ def _line_of(text: str, key: str) -> int:
 
 
 def load_vocab(path: PathLike) -> dict[int, bytes]:
-    """``{id: bytes}`` of a GPT-2-style ``vocab.json``; errors name the file and line."""
+    """``{id: bytes}`` of a GPT-2-style ``vocab.json``; errors name the file and the line (invalid
+    UTF-8: the byte offset)."""
     from trainfast.bpe.io import _unicode_to_bytes
 
     path = os.fspath(path)
@@ -378,7 +379,7 @@ def load_vocab(path: PathLike) -> dict[int, bytes]:
 
 def load_merges(path: PathLike, vocab: dict[int, bytes] | None = None) -> list[tuple[bytes, bytes]]:
     """Merges of a GPT-2-style ``merges.txt``; with ``vocab``, also checks every merge refers to
-    vocab tokens. Errors name the file and line."""
+    vocab tokens. Errors name the file and the line (invalid UTF-8: the byte offset)."""
     from trainfast.bpe.io import _unicode_to_bytes
 
     path = os.fspath(path)
