@@ -31,7 +31,9 @@ struct TrainOptions {
 // occurring word_counts[i] times (each >= 1). Pair counts are the sum of count x occurrences with
 // overlapping occurrences counted; each step merges the pair with the highest count, ties to the
 // greatest (left bytes, right bytes) compared as unsigned bytes; merges apply left to right,
-// non-overlapping. Throws std::invalid_argument on bad input or if a pair count overflows int64.
+// non-overlapping. Throws std::invalid_argument on bad input, or if a byte pair's count over all
+// words (each occurrence weighted by its word's count) passes 2^63-1 (later pair counts never
+// exceed one byte pair's, so they cannot overflow).
 std::vector<Merge> train_merges(std::span<const uint8_t> word_bytes,
                                 std::span<const int64_t> word_offsets,
                                 std::span<const int64_t> word_counts, const TrainOptions& options);
