@@ -221,14 +221,15 @@ struct SpaceRun {
 // except for contractions: an apostrophe that starts a match (p-1 neither "other" nor ' ') and is
 // followed by s|d|m|t or ll|ve|re is a match of its own, which moves the next start past it.
 // The start at p depends on bytes p-4..p+1 only, so starts are final up to two bytes before the
-// first non-ASCII byte (or the window's end); from the last final start on, the next window
-// continues, and a pre-token that no window can finish goes to gpt2_next.
+// first non-ASCII byte (or the window's end). window_scan (below) moves the windows.
 
 struct WindowMasks {
   uint64_t letter, digit, space, blank, apostrophe, high;  // blank = ' '
+  uint64_t newline;                                        // "\r" or "\n": with kNewlines only
 };
 
 #if defined(__SSE2__)
+template <bool kNewlines = false>
 [[gnu::always_inline]] inline WindowMasks classify64(const uint8_t* w) {
   WindowMasks m{};
   const __m128i lower_a = _mm_set1_epi8('a' - 1), lower_z = _mm_set1_epi8('z' + 1);
@@ -250,10 +251,15 @@ struct WindowMasks {
     m.blank |= uint64_t(uint32_t(_mm_movemask_epi8(is_blank))) << shift;
     m.apostrophe |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi8(v, quote)))) << shift;
     m.high |= uint64_t(uint32_t(_mm_movemask_epi8(v))) << shift;
+    if constexpr (kNewlines) {
+      const __m128i newline = _mm_or_si128(_mm_cmpeq_epi8(v, _mm_set1_epi8('\n')), _mm_cmpeq_epi8(v, _mm_set1_epi8('\r')));
+      m.newline |= uint64_t(uint32_t(_mm_movemask_epi8(newline))) << shift;
+    }
   }
   return m;
 }
 #else
+template <bool kNewlines = false>
 inline WindowMasks classify64(const uint8_t* w) {
   WindowMasks m{};
   for (int p = 0; p < 64; ++p) {
@@ -269,82 +275,43 @@ inline WindowMasks classify64(const uint8_t* w) {
     if (group == kGroupSpace) m.space |= bit_p;
     if (b == ' ') m.blank |= bit_p;
     if (b == '\'') m.apostrophe |= bit_p;
+    if (kNewlines && (b == '\n' || b == '\r')) m.newline |= bit_p;
   }
   return m;
 }
 #endif
 
-// Calls emit(begin, end) for every GPT-2 pre-token of s[0:n), in order.
-template <typename Emit>
-[[gnu::always_inline]] inline void gpt2_scan(const uint8_t* s, size_t n, Emit&& emit) {
-  alignas(64) uint8_t tail[64];
-  size_t i = 0;
-  size_t fallback_bytes = 16;
-  while (i < n) {
-    const size_t avail = n - i;
-    const bool last = avail <= 64;
-    const uint8_t* w = s + i;
-    if (last) {  // the segment ends in this window: pad with a non-ASCII byte, which stops every run
-      std::memcpy(tail, s + i, avail);
-      std::memset(tail + avail, 0x80, 64 - avail);
-      w = tail;
+// A window's pre-token starts (bit 0, where the scan stands, is one) and how many of its first
+// bytes they are final for.
+struct WindowStarts {
+  uint64_t starts;
+  int decided;
+};
+
+[[gnu::always_inline]] inline WindowStarts gpt2_window_starts(const uint8_t* w, const WindowMasks& m, uint64_t real,
+                                                              int first_unknown, bool whole, size_t avail) {
+  const uint64_t other = real & ~(m.high | m.letter | m.digit | m.space);
+  const uint64_t nonspace = m.letter | m.digit | other;
+  const uint64_t changed = (m.letter & ~(m.letter << 1)) | (m.digit & ~(m.digit << 1)) | (other & ~(other << 1));
+  uint64_t starts = (changed & ~(m.blank << 1)) | (m.space & ~(m.space << 1)) | (m.space & (nonspace >> 1)) | 1;
+  uint64_t quotes = m.apostrophe & ~(other << 1) & ~(m.blank << 1);
+  while (quotes != 0) {
+    const int p = __builtin_ctzll(quotes);
+    quotes &= quotes - 1;
+    if (p + 1 >= 64) break;
+    const uint8_t c1 = w[p + 1];
+    int len = 0;
+    if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') {
+      len = 2;
+    } else if (p + 2 < 64) {
+      const uint8_t c2 = w[p + 2];
+      if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) len = 3;
     }
-    const WindowMasks m = classify64(w);
-    const uint64_t real = last && avail < 64 ? (uint64_t{1} << avail) - 1 : ~uint64_t{0};
-    const uint64_t high = m.high & real;
-    const uint64_t other = real & ~(high | m.letter | m.digit | m.space);
-    const uint64_t nonspace = m.letter | m.digit | other;
-    const uint64_t changed = (m.letter & ~(m.letter << 1)) | (m.digit & ~(m.digit << 1)) | (other & ~(other << 1));
-    uint64_t starts = (changed & ~(m.blank << 1)) | (m.space & ~(m.space << 1)) | (m.space & (nonspace >> 1)) | 1;
-    uint64_t quotes = m.apostrophe & ~(other << 1) & ~(m.blank << 1);
-    while (quotes != 0) {
-      const int p = __builtin_ctzll(quotes);
-      quotes &= quotes - 1;
-      if (p + 1 >= 64) break;
-      const uint8_t c1 = w[p + 1];
-      int len = 0;
-      if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') {
-        len = 2;
-      } else if (p + 2 < 64) {
-        const uint8_t c2 = w[p + 2];
-        if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) len = 3;
-      }
-      if (len == 0) continue;
-      starts &= ~(uint64_t{1} << (p + 1));
-      if (p + len < 64) starts |= uint64_t{1} << (p + len);
-    }
-    // Starts are final below `decided`; the whole window is when the segment ends in it, all ASCII.
-    const bool whole = last && high == 0;
-    const int first_unknown = high != 0 ? __builtin_ctzll(high) : 64;
-    const int decided = whole ? static_cast<int>(avail) : first_unknown - 2;
-    uint64_t final_starts = decided <= 0 ? 1 : starts & (decided >= 64 ? ~uint64_t{0} : (uint64_t{1} << decided) - 1);
-    final_starts &= final_starts - 1;  // bit 0 (i) is known
-    size_t begin = i;
-    while (final_starts != 0) {
-      const size_t end = i + static_cast<size_t>(__builtin_ctzll(final_starts));
-      final_starts &= final_starts - 1;
-      emit(begin, end);
-      begin = end;
-    }
-    if (whole) {
-      emit(begin, n);
-      return;
-    }
-    if (begin > i) {
-      i = begin;
-      fallback_bytes = 16;
-      continue;
-    }
-    // No pre-token ends inside the window (a long one, or non-ASCII text): scan one by one for a
-    // while, longer each time this repeats (text in other scripts rarely has ASCII windows).
-    const size_t until = std::min(n, i + fallback_bytes);
-    fallback_bytes = std::min<size_t>(fallback_bytes * 2, 4096);
-    while (i < until) {
-      const size_t end = gpt2_next(s, i, n);
-      emit(i, end);
-      i = end;
-    }
+    if (len == 0) continue;
+    starts &= ~(uint64_t{1} << (p + 1));
+    if (p + len < 64) starts |= uint64_t{1} << (p + len);
   }
+  return {starts, whole ? static_cast<int>(avail) : first_unknown - 2};
 }
 
 // Calls emit(begin, end) for every pre-token of s[0:n), in order.
@@ -399,6 +366,64 @@ inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first
   if (run.newline_end != kNone) return run.newline_end;  // \s*[\r\n]
   if (run.count == 2) return run.last_start;             // \s+(?!\S)
   return run.end;                                        // \s
+}
+
+// cl100k on ASCII, a window at a time (as GPT-2 above). Classes: L letters, N digits, \s split into
+// NL ("\r", "\n") and HS (the other four), O the rest. A match starts at p exactly when
+//   - p is O and p-1 is neither O nor ' ' (a ' ' before O always starts ` ?O++[\r\n]*+`);
+//   - p is L and p-1 is N or NL; or p-1 is O that does not start a match (p-2 is O or ' '), so
+//     not the prefix of `[^\r\n\p{L}\p{N}]?+\p{L}++`; or p follows a contraction ('s 'd 'm 't
+//     'll 've 're in any case) whose apostrophe starts a match. An HS before L always starts one;
+//   - p is N and 3k digits into its run (k >= 0);
+//   - p is \s and p-1 is L or N; or p is HS and p-1 is O (O++ takes only [\r\n]*+ after it); or
+//     p is HS and p-1 an NL that an O run took or after which the HS run from p ends at L, N or
+//     O (`\s*[\r\n]` ends there); or p is HS between an HS and L, N or O (`\s+(?!\S)` gives the
+//     run's last character back). A \s run that ends the segment is one match (`\s++$`).
+// Starts at p depend on bytes before p and on p+1, except after an NL, where they depend on how
+// the \s run ends: starts are final below the first non-ASCII byte less one and after the start
+// of a \s run reaching it.
+[[gnu::noinline]] WindowStarts cl100k_window_starts(const uint8_t* w, const WindowMasks& m, uint64_t real,
+                                                                int first_unknown, bool whole, size_t avail) {
+  const uint64_t letter = m.letter, digit = m.digit, space = m.space, newline = m.newline;
+  const uint64_t hspace = space & ~newline;
+  const uint64_t other = real & ~(m.high | letter | digit | space);
+  const uint64_t nonspace = letter | digit | other;
+  const uint64_t taken_newlines = newline & ~(newline + (newline & (other << 1)));  // runs right after O
+  uint64_t starts = (other & ~(other << 1) & ~(m.blank << 1)) |
+                    (letter & (((digit | newline) << 1) | ((other << 1) & ((other | m.blank) << 2)))) |
+                    (space & ((letter | digit) << 1)) | (hspace & ((other | taken_newlines) << 1)) |
+                    (hspace & (hspace << 1) & (nonspace >> 1)) | 1;
+  constexpr uint64_t kEveryThird = 0x9249249249249249ull;  // bits 0, 3, 6, ...
+  for (uint64_t runs = digit & ~(digit << 1); runs != 0; runs &= runs - 1) {
+    const int p = __builtin_ctzll(runs);
+    const uint64_t rest = ~(digit >> p);  // its lowest set bit is the run's end
+    const uint64_t run = rest == 0 ? ~uint64_t{0} : (rest & -rest) - 1;
+    starts |= (kEveryThird & run) << p;
+  }
+  for (uint64_t after_nl = hspace & (newline << 1) & ~(taken_newlines << 1); after_nl != 0; after_nl &= after_nl - 1) {
+    const int p = __builtin_ctzll(after_nl);
+    const uint64_t rest = ~hspace >> p;  // its lowest set bit is where the HS run ends (if in the window)
+    if (rest != 0 && ((nonspace >> (p + __builtin_ctzll(rest))) & 1) != 0) starts |= uint64_t{1} << p;
+  }
+  for (uint64_t quotes = m.apostrophe & starts; quotes != 0; quotes &= quotes - 1) {
+    const int p = __builtin_ctzll(quotes);
+    if (p + 2 >= 64) break;
+    const uint8_t c1 = w[p + 1] | 0x20, c2 = w[p + 2] | 0x20;  // ASCII case folding of letters
+    int len = 0;
+    if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') {
+      len = 2;
+    } else if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) {
+      len = 3;
+    }
+    if (len != 0 && p + len < 64) starts |= letter & (uint64_t{1} << (p + len));
+  }
+  int decided = whole ? static_cast<int>(avail) : first_unknown - 1;
+  if (!whole && first_unknown > 0 && ((space >> (first_unknown - 1)) & 1) != 0) {
+    const uint64_t before = ~space & ((first_unknown >= 64 ? uint64_t{0} : uint64_t{1} << first_unknown) - 1);
+    const int run_start = before == 0 ? 0 : 64 - __builtin_clzll(before);
+    decided = std::min(decided, run_start + 1);
+  }
+  return {starts, decided};
 }
 
 // o200k [Upper]*[Lower]+ from i: kNone when it does not match. Greedy [Upper]* backtracks until
@@ -478,10 +503,70 @@ template <Pattern P>
   if constexpr (P == Pattern::kO200k) return o200k_next(s, i, n);
 }
 
+// Calls emit(begin, end) for every pre-token of s[0:n), in order, a 64-byte window at a time: the
+// window's starts are final below `decided` (the whole window when the segment ends in it, all
+// ASCII); from the last final start on, the next window continues, and a pre-token that no window
+// can finish goes to next_end.
+template <Pattern P, typename Emit>
+[[gnu::always_inline]] inline void window_scan(const uint8_t* s, size_t n, Emit&& emit) {
+  alignas(64) uint8_t tail[64];
+  size_t i = 0;
+  size_t fallback_bytes = 16;
+  while (i < n) {
+    const size_t avail = n - i;
+    const bool last = avail <= 64;
+    const uint8_t* w = s + i;
+    if (last) {  // the segment ends in this window: pad with a non-ASCII byte, which stops every run
+      std::memcpy(tail, s + i, avail);
+      std::memset(tail + avail, 0x80, 64 - avail);
+      w = tail;
+    }
+    const WindowMasks m = classify64<P == Pattern::kCl100k>(w);
+    const uint64_t real = last && avail < 64 ? (uint64_t{1} << avail) - 1 : ~uint64_t{0};
+    const uint64_t high = m.high & real;
+    const bool whole = last && high == 0;
+    const int first_unknown = high != 0 ? __builtin_ctzll(high) : 64;
+    WindowStarts found;
+    if constexpr (P == Pattern::kGpt2) {
+      found = gpt2_window_starts(w, m, real, first_unknown, whole, avail);
+    } else {
+      found = cl100k_window_starts(w, m, real, first_unknown, whole, avail);
+    }
+    const int decided = found.decided;
+    uint64_t final_starts = decided <= 0 ? 1 : found.starts & (decided >= 64 ? ~uint64_t{0} : (uint64_t{1} << decided) - 1);
+    final_starts &= final_starts - 1;  // bit 0 (i) is known
+    size_t begin = i;
+    while (final_starts != 0) {
+      const size_t end = i + static_cast<size_t>(__builtin_ctzll(final_starts));
+      final_starts &= final_starts - 1;
+      emit(begin, end);
+      begin = end;
+    }
+    if (whole) {
+      emit(begin, n);
+      return;
+    }
+    if (begin > i) {
+      i = begin;
+      fallback_bytes = 16;
+      continue;
+    }
+    // No pre-token ends inside the window (a long one, or non-ASCII text): scan one by one for a
+    // while, longer each time this repeats (text in other scripts rarely has ASCII windows).
+    const size_t until = std::min(n, i + fallback_bytes);
+    fallback_bytes = std::min<size_t>(fallback_bytes * 2, 4096);
+    while (i < until) {
+      const size_t end = next_end<P>(s, i, n);
+      emit(i, end);
+      i = end;
+    }
+  }
+}
+
 template <Pattern P, typename Emit>
 [[gnu::always_inline]] inline void scan_pretokens(const uint8_t* s, size_t n, Emit&& emit) {
-  if constexpr (P == Pattern::kGpt2) {
-    gpt2_scan(s, n, emit);
+  if constexpr (P == Pattern::kGpt2 || P == Pattern::kCl100k) {
+    window_scan<P>(s, n, emit);
   } else {
     for (size_t i = 0; i < n;) {
       const size_t end = next_end<P>(s, i, n);
