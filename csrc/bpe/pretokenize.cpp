@@ -221,15 +221,16 @@ struct SpaceRun {
 // except for contractions: an apostrophe that starts a match (p-1 neither "other" nor ' ') and is
 // followed by s|d|m|t or ll|ve|re is a match of its own, which moves the next start past it.
 // The start at p depends on bytes p-4..p+1 only, so starts are final up to two bytes before the
-// first non-ASCII byte (or the window's end). window_scan (below) moves the windows.
+// first non-ASCII byte (or the window's end). scan_pretokens (below) moves the windows.
 
 struct WindowMasks {
   uint64_t letter, digit, space, blank, apostrophe, high;  // blank = ' '
-  uint64_t newline;                                        // "\r" or "\n": with kNewlines only
+  uint64_t newline;                                        // "\r" or "\n" (cl100k, o200k)
+  uint64_t upper, slash;                                   // A-Z, "/" (o200k)
 };
 
 #if defined(__SSE2__)
-template <bool kNewlines = false>
+template <Pattern P>
 [[gnu::always_inline]] inline WindowMasks classify64(const uint8_t* w) {
   WindowMasks m{};
   const __m128i lower_a = _mm_set1_epi8('a' - 1), lower_z = _mm_set1_epi8('z' + 1);
@@ -251,15 +252,20 @@ template <bool kNewlines = false>
     m.blank |= uint64_t(uint32_t(_mm_movemask_epi8(is_blank))) << shift;
     m.apostrophe |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi8(v, quote)))) << shift;
     m.high |= uint64_t(uint32_t(_mm_movemask_epi8(v))) << shift;
-    if constexpr (kNewlines) {
+    if constexpr (P != Pattern::kGpt2) {
       const __m128i newline = _mm_or_si128(_mm_cmpeq_epi8(v, _mm_set1_epi8('\n')), _mm_cmpeq_epi8(v, _mm_set1_epi8('\r')));
       m.newline |= uint64_t(uint32_t(_mm_movemask_epi8(newline))) << shift;
+    }
+    if constexpr (P == Pattern::kO200k) {
+      const __m128i upper = _mm_and_si128(_mm_cmpgt_epi8(v, _mm_set1_epi8('A' - 1)), _mm_cmpgt_epi8(_mm_set1_epi8('Z' + 1), v));
+      m.upper |= uint64_t(uint32_t(_mm_movemask_epi8(upper))) << shift;
+      m.slash |= uint64_t(uint32_t(_mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8('/'))))) << shift;
     }
   }
   return m;
 }
 #else
-template <bool kNewlines = false>
+template <Pattern P>
 inline WindowMasks classify64(const uint8_t* w) {
   WindowMasks m{};
   for (int p = 0; p < 64; ++p) {
@@ -275,7 +281,9 @@ inline WindowMasks classify64(const uint8_t* w) {
     if (group == kGroupSpace) m.space |= bit_p;
     if (b == ' ') m.blank |= bit_p;
     if (b == '\'') m.apostrophe |= bit_p;
-    if (kNewlines && (b == '\n' || b == '\r')) m.newline |= bit_p;
+    if (P != Pattern::kGpt2 && (b == '\n' || b == '\r')) m.newline |= bit_p;
+    if (P == Pattern::kO200k && b >= 'A' && b <= 'Z') m.upper |= bit_p;
+    if (P == Pattern::kO200k && b == '/') m.slash |= bit_p;
   }
   return m;
 }
@@ -496,6 +504,80 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
   return run.last_start;                                 // \s+(?!\S)
 }
 
+// o200k on ASCII, a window at a time (as cl100k; letters split into U, A-Z, and lower case). The
+// run of "\r", "\n" and "/" that starts at an NL right after O is taken by the match of that O run
+// (` ?[^\s\p{L}\p{N}]+[\r\n/]*`). A match starts at p exactly when
+//   - p is U and p-1 is a-z (a word ends where upper case follows lower case);
+//   - p is L and p-1 is N or NL; or p-1 is O, taken or not starting a match (p-2 is O or ' ', not
+//     taken), so not a word's prefix; or p follows a contraction suffix (below);
+//   - p is O, not taken, and p-1 is neither O nor ' ', or was taken;
+//   - p is N and 3k digits into its run (k >= 0);
+//   - p is \s and p-1 is L or N; or p is HS and p-1 is O or taken; or p is HS, p-1 an NL, and the
+//     HS run from p ends at L, N, O or the segment's end (`\s*[\r\n]+` ended at p-1); or p is HS
+//     between an HS and L, N or O (`\s+(?!\S)` gives the run's last character back).
+// An apostrophe right after a letter, followed by s t m d re ve ll (any case), ends that word
+// (`(?i:'s|'t|'re|'ve|'m|'ll|'d)?`), unless the letter ends such a suffix itself. The start at p
+// depends on bytes before p and on p+1 and p+2, except after an NL (as for cl100k).
+[[gnu::noinline]] WindowStarts o200k_window_starts(const uint8_t* w, const WindowMasks& m, uint64_t real,
+                                                   int first_unknown, bool whole, size_t avail) {
+  const uint64_t letter = m.letter, lower = m.letter & ~m.upper, digit = m.digit, space = m.space;
+  const uint64_t newline = m.newline, hspace = space & ~newline;
+  const uint64_t other = real & ~(m.high | letter | digit | space);
+  const uint64_t nonspace = letter | digit | other;
+  // Taken: every NL right after O, and what follows it through "\r", "\n" and "/" (filled in
+  // doubling steps, since one run may hold several such NLs).
+  uint64_t taken = newline & (other << 1);
+  uint64_t trail = newline | m.slash;
+  for (int step = 1; step < 64; step *= 2) {
+    taken |= (taken << step) & trail;
+    trail &= trail << step;
+  }
+  uint64_t starts = (other & ~taken & (~((other | m.blank) << 1) | (taken << 1))) |
+                    (letter & ((m.upper & (lower << 1)) | ((digit | newline) << 1) |
+                               ((other << 1) & ((taken << 1) | (((other | m.blank) << 2) & ~(taken << 2)))))) |
+                    (space & ((letter | digit) << 1)) | (hspace & ((other | taken) << 1)) |
+                    (hspace & (hspace << 1) & (nonspace >> 1)) | 1;
+  constexpr uint64_t kEveryThird = 0x9249249249249249ull;  // bits 0, 3, 6, ...
+  for (uint64_t runs = digit & ~(digit << 1); runs != 0; runs &= runs - 1) {
+    const int p = __builtin_ctzll(runs);
+    const uint64_t rest = ~(digit >> p);  // its lowest set bit is the run's end
+    const uint64_t run = rest == 0 ? ~uint64_t{0} : (rest & -rest) - 1;
+    starts |= (kEveryThird & run) << p;
+  }
+  for (uint64_t after_nl = hspace & (newline << 1) & ~(taken << 1); after_nl != 0; after_nl &= after_nl - 1) {
+    const int p = __builtin_ctzll(after_nl);
+    const uint64_t rest = ~hspace >> p;  // its lowest set bit is where the HS run ends (if in the window)
+    // Past bit 63 the run ends the segment when the window is its whole rest (else it is undecided).
+    if (rest == 0 ? whole : ((newline >> (p + __builtin_ctzll(rest))) & 1) == 0) starts |= uint64_t{1} << p;
+  }
+  int suffix_end = -1;  // where the last contraction suffix ended
+  for (uint64_t quotes = m.apostrophe & (letter << 1); quotes != 0; quotes &= quotes - 1) {
+    const int p = __builtin_ctzll(quotes);
+    if (p + 1 >= 64) break;
+    if (p == suffix_end) continue;
+    // ASCII case folding of letters; past bit 63 nothing follows when the window ends the segment
+    // (else the starts from p on are undecided anyway).
+    const uint8_t c1 = w[p + 1] | 0x20, c2 = p + 2 < 64 ? w[p + 2] | 0x20 : 0;
+    int len = 0;
+    if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') {
+      len = 2;
+    } else if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) {
+      len = 3;
+    }
+    if (len == 0) continue;
+    starts &= ~(((uint64_t{1} << len) - 1) << p);
+    if (p + len < 64) starts |= letter & (uint64_t{1} << (p + len));
+    suffix_end = p + len;
+  }
+  int decided = whole ? static_cast<int>(avail) : first_unknown - 2;
+  if (!whole && first_unknown > 0 && ((space >> (first_unknown - 1)) & 1) != 0) {
+    const uint64_t before = ~space & ((first_unknown >= 64 ? uint64_t{0} : uint64_t{1} << first_unknown) - 1);
+    const int run_start = before == 0 ? 0 : 64 - __builtin_clzll(before);
+    decided = std::min(decided, run_start + 1);
+  }
+  return {starts, decided};
+}
+
 template <Pattern P>
 [[gnu::always_inline]] inline size_t next_end(const uint8_t* s, size_t i, size_t n) {
   if constexpr (P == Pattern::kGpt2) return gpt2_next(s, i, n);
@@ -508,7 +590,7 @@ template <Pattern P>
 // ASCII); from the last final start on, the next window continues, and a pre-token that no window
 // can finish goes to next_end.
 template <Pattern P, typename Emit>
-[[gnu::always_inline]] inline void window_scan(const uint8_t* s, size_t n, Emit&& emit) {
+[[gnu::always_inline]] inline void scan_pretokens(const uint8_t* s, size_t n, Emit&& emit) {
   alignas(64) uint8_t tail[64];
   size_t i = 0;
   size_t fallback_bytes = 16;
@@ -521,7 +603,7 @@ template <Pattern P, typename Emit>
       std::memset(tail + avail, 0x80, 64 - avail);
       w = tail;
     }
-    const WindowMasks m = classify64<P == Pattern::kCl100k>(w);
+    const WindowMasks m = classify64<P>(w);
     const uint64_t real = last && avail < 64 ? (uint64_t{1} << avail) - 1 : ~uint64_t{0};
     const uint64_t high = m.high & real;
     const bool whole = last && high == 0;
@@ -529,8 +611,10 @@ template <Pattern P, typename Emit>
     WindowStarts found;
     if constexpr (P == Pattern::kGpt2) {
       found = gpt2_window_starts(w, m, real, first_unknown, whole, avail);
-    } else {
+    } else if constexpr (P == Pattern::kCl100k) {
       found = cl100k_window_starts(w, m, real, first_unknown, whole, avail);
+    } else {
+      found = o200k_window_starts(w, m, real, first_unknown, whole, avail);
     }
     const int decided = found.decided;
     uint64_t final_starts = decided <= 0 ? 1 : found.starts & (decided >= 64 ? ~uint64_t{0} : (uint64_t{1} << decided) - 1);
@@ -563,18 +647,6 @@ template <Pattern P, typename Emit>
   }
 }
 
-template <Pattern P, typename Emit>
-[[gnu::always_inline]] inline void scan_pretokens(const uint8_t* s, size_t n, Emit&& emit) {
-  if constexpr (P == Pattern::kGpt2 || P == Pattern::kCl100k) {
-    window_scan<P>(s, n, emit);
-  } else {
-    for (size_t i = 0; i < n;) {
-      const size_t end = next_end<P>(s, i, n);
-      emit(i, end);
-      i = end;
-    }
-  }
-}
 
 // Whether cutting text at byte p (0 < p < n) leaves every pre-token unchanged:
 //   findall(text) == findall(text[:p]) + findall(text[p:]).
