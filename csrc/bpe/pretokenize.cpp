@@ -388,8 +388,8 @@ inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first
 //     O (`\s*[\r\n]` ends there); or p is HS between an HS and L, N or O (`\s+(?!\S)` gives the
 //     run's last character back). A \s run that ends the segment is one match (`\s++$`).
 // Starts at p depend on bytes before p and on p+1, except after an NL, where they depend on how
-// the \s run ends: starts are final below the first non-ASCII byte less one and after the start
-// of a \s run reaching it.
+// the \s run ends: starts are final below the first non-ASCII byte less one, and up to the start
+// of a \s run that reaches it (that start included).
 [[gnu::noinline]] WindowStarts cl100k_window_starts(const uint8_t* w, const WindowMasks& m, uint64_t real,
                                                                 int first_unknown, bool whole, size_t avail) {
   const uint64_t letter = m.letter, digit = m.digit, space = m.space, newline = m.newline;
