@@ -376,6 +376,41 @@ inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first
   return run.end;                                        // \s
 }
 
+// Starts in the window's digit runs: `\p{N}{1,3}` cuts a run every third digit from its start.
+inline uint64_t digit_run_starts(uint64_t digit) {
+  constexpr uint64_t kEveryThird = 0x9249249249249249ull;  // bits 0, 3, 6, ...
+  uint64_t starts = 0;
+  for (uint64_t runs = digit & ~(digit << 1); runs != 0; runs &= runs - 1) {
+    const int p = __builtin_ctzll(runs);
+    const uint64_t rest = ~(digit >> p);  // its lowest set bit is the run's end
+    const uint64_t run = rest == 0 ? ~uint64_t{0} : (rest & -rest) - 1;
+    starts |= (kEveryThird & run) << p;
+  }
+  return starts;
+}
+
+// The positions p of `candidates` whose run of `hspace` bits from p ends at a bit of `ends`, or
+// runs past bit 63 when `past_window`.
+inline uint64_t hspace_runs_ending_in(uint64_t candidates, uint64_t hspace, uint64_t ends, bool past_window) {
+  uint64_t starts = 0;
+  for (; candidates != 0; candidates &= candidates - 1) {
+    const int p = __builtin_ctzll(candidates);
+    const uint64_t rest = ~hspace >> p;  // its lowest set bit is where the run ends (if in the window)
+    if (rest == 0 ? past_window : ((ends >> (p + __builtin_ctzll(rest))) & 1) != 0) starts |= uint64_t{1} << p;
+  }
+  return starts;
+}
+
+// `decided` (how many bytes of a window that does not end the segment have final starts), cut
+// back to just past the start of a \s run that reaches the first unknown byte: the starts after
+// an NL depend on how the run ends.
+inline int decided_before_open_space(int decided, uint64_t space, int first_unknown) {
+  if (first_unknown == 0 || ((space >> (first_unknown - 1)) & 1) == 0) return decided;
+  const uint64_t before = ~space & ((first_unknown >= 64 ? uint64_t{0} : uint64_t{1} << first_unknown) - 1);
+  const int run_start = before == 0 ? 0 : 64 - __builtin_clzll(before);
+  return std::min(decided, run_start + 1);
+}
+
 // cl100k on ASCII, a window at a time (as GPT-2 above). Classes: L letters, N digits, \s split into
 // NL ("\r", "\n") and HS (the other four), O the rest. A match starts at p exactly when
 //   - p is O and p-1 is neither O nor ' ' (a ' ' before O always starts ` ?O++[\r\n]*+`);
@@ -401,18 +436,8 @@ inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first
                     (letter & (((digit | newline) << 1) | ((other << 1) & ((other | m.blank) << 2)))) |
                     (space & ((letter | digit) << 1)) | (hspace & ((other | taken_newlines) << 1)) |
                     (hspace & (hspace << 1) & (nonspace >> 1)) | 1;
-  constexpr uint64_t kEveryThird = 0x9249249249249249ull;  // bits 0, 3, 6, ...
-  for (uint64_t runs = digit & ~(digit << 1); runs != 0; runs &= runs - 1) {
-    const int p = __builtin_ctzll(runs);
-    const uint64_t rest = ~(digit >> p);  // its lowest set bit is the run's end
-    const uint64_t run = rest == 0 ? ~uint64_t{0} : (rest & -rest) - 1;
-    starts |= (kEveryThird & run) << p;
-  }
-  for (uint64_t after_nl = hspace & (newline << 1) & ~(taken_newlines << 1); after_nl != 0; after_nl &= after_nl - 1) {
-    const int p = __builtin_ctzll(after_nl);
-    const uint64_t rest = ~hspace >> p;  // its lowest set bit is where the HS run ends (if in the window)
-    if (rest != 0 && ((nonspace >> (p + __builtin_ctzll(rest))) & 1) != 0) starts |= uint64_t{1} << p;
-  }
+  starts |= digit_run_starts(digit);
+  starts |= hspace_runs_ending_in(hspace & (newline << 1) & ~(taken_newlines << 1), hspace, nonspace, false);
   for (uint64_t quotes = m.apostrophe & starts; quotes != 0; quotes &= quotes - 1) {
     const int p = __builtin_ctzll(quotes);
     if (p + 2 >= 64) break;
@@ -425,13 +450,7 @@ inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first
     }
     if (len != 0 && p + len < 64) starts |= letter & (uint64_t{1} << (p + len));
   }
-  int decided = whole ? static_cast<int>(avail) : first_unknown - 1;
-  if (!whole && first_unknown > 0 && ((space >> (first_unknown - 1)) & 1) != 0) {
-    const uint64_t before = ~space & ((first_unknown >= 64 ? uint64_t{0} : uint64_t{1} << first_unknown) - 1);
-    const int run_start = before == 0 ? 0 : 64 - __builtin_clzll(before);
-    decided = std::min(decided, run_start + 1);
-  }
-  return {starts, decided};
+  return {starts, whole ? static_cast<int>(avail) : decided_before_open_space(first_unknown - 1, space, first_unknown)};
 }
 
 // o200k [Upper]*[Lower]+ from i: kNone when it does not match. Greedy [Upper]* backtracks until
@@ -537,19 +556,9 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
                                ((other << 1) & ((taken << 1) | (((other | m.blank) << 2) & ~(taken << 2)))))) |
                     (space & ((letter | digit) << 1)) | (hspace & ((other | taken) << 1)) |
                     (hspace & (hspace << 1) & (nonspace >> 1)) | 1;
-  constexpr uint64_t kEveryThird = 0x9249249249249249ull;  // bits 0, 3, 6, ...
-  for (uint64_t runs = digit & ~(digit << 1); runs != 0; runs &= runs - 1) {
-    const int p = __builtin_ctzll(runs);
-    const uint64_t rest = ~(digit >> p);  // its lowest set bit is the run's end
-    const uint64_t run = rest == 0 ? ~uint64_t{0} : (rest & -rest) - 1;
-    starts |= (kEveryThird & run) << p;
-  }
-  for (uint64_t after_nl = hspace & (newline << 1) & ~(taken << 1); after_nl != 0; after_nl &= after_nl - 1) {
-    const int p = __builtin_ctzll(after_nl);
-    const uint64_t rest = ~hspace >> p;  // its lowest set bit is where the HS run ends (if in the window)
-    // Past bit 63 the run ends the segment when the window is its whole rest (else it is undecided).
-    if (rest == 0 ? whole : ((newline >> (p + __builtin_ctzll(rest))) & 1) == 0) starts |= uint64_t{1} << p;
-  }
+  starts |= digit_run_starts(digit);
+  // Past bit 63 the run ends the segment when the window is its whole rest (else it is undecided).
+  starts |= hspace_runs_ending_in(hspace & (newline << 1) & ~(taken << 1), hspace, ~newline, whole);
   int suffix_end = -1;  // where the last contraction suffix ended
   for (uint64_t quotes = m.apostrophe & (letter << 1); quotes != 0; quotes &= quotes - 1) {
     const int p = __builtin_ctzll(quotes);
@@ -569,13 +578,7 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
     if (p + len < 64) starts |= letter & (uint64_t{1} << (p + len));
     suffix_end = p + len;
   }
-  int decided = whole ? static_cast<int>(avail) : first_unknown - 2;
-  if (!whole && first_unknown > 0 && ((space >> (first_unknown - 1)) & 1) != 0) {
-    const uint64_t before = ~space & ((first_unknown >= 64 ? uint64_t{0} : uint64_t{1} << first_unknown) - 1);
-    const int run_start = before == 0 ? 0 : 64 - __builtin_clzll(before);
-    decided = std::min(decided, run_start + 1);
-  }
-  return {starts, decided};
+  return {starts, whole ? static_cast<int>(avail) : decided_before_open_space(first_unknown - 2, space, first_unknown)};
 }
 
 template <Pattern P>
