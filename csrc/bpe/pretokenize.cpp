@@ -426,7 +426,7 @@ inline int decided_before_open_space(int decided, uint64_t space, int first_unkn
 // the \s run ends: starts are final below the first non-ASCII byte less one, and up to the start
 // of a \s run that reaches it (that start included).
 [[gnu::noinline]] WindowStarts cl100k_window_starts(const uint8_t* w, const WindowMasks& m, uint64_t real,
-                                                                int first_unknown, bool whole, size_t avail) {
+                                                    int first_unknown, bool whole, size_t avail) {
   const uint64_t letter = m.letter, digit = m.digit, space = m.space, newline = m.newline;
   const uint64_t hspace = space & ~newline;
   const uint64_t other = real & ~(m.high | letter | digit | space);
