@@ -6,6 +6,7 @@ import json
 import lzma
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,31 @@ def test_hypothesis_wide_counts_match_oracle(word_counts, vocab_size):
     # Counts over many magnitudes: rare pairs wait outside the heap until the top counts come down.
     assert train_from_counts(word_counts, vocab_size, show_progress=False) == ref.train_from_counts(
         word_counts, vocab_size)
+
+
+_huge_counts = st.dictionaries(
+    st.binary(min_size=1, max_size=6).map(lambda b: bytes(x % 4 + 0x61 for x in b)),
+    st.integers(min_value=2**60, max_value=2**63 - 1),
+    max_size=6,
+)
+
+
+@given(word_counts=_huge_counts, vocab_size=st.integers(min_value=256, max_value=280))
+def test_hypothesis_huge_counts_match_oracle_or_name_the_byte_pair(word_counts, vocab_size):
+    # Exact in 64 bits while every byte pair's weighted count fits; else refused, naming such a pair.
+    pair_totals = {}
+    for word, count in word_counts.items():
+        for pair in zip(word, word[1:]):
+            pair_totals[pair] = pair_totals.get(pair, 0) + count
+    too_big = [pair for pair, total in pair_totals.items() if total > 2**63 - 1]
+    if not too_big:
+        assert train_from_counts(word_counts, vocab_size, show_progress=False) == ref.train_from_counts(
+            word_counts, vocab_size)
+        return
+    with pytest.raises(ValueError, match=r"word_counts: the byte pair \((\d+), (\d+)\)") as error:
+        train_from_counts(word_counts, vocab_size, show_progress=False)
+    named = tuple(int(b) for b in re.search(r"\((\d+), (\d+)\)", str(error.value)).groups())
+    assert named in too_big
 
 
 _small_text = st.text(alphabet=st.sampled_from(list("aab ba\n'sé1  \u00a0\u3000日本<|>")), max_size=60)
