@@ -376,6 +376,16 @@ inline size_t numbers_upto3(const uint8_t* s, size_t i, size_t n, uint32_t first
   return run.end;                                        // \s
 }
 
+// The length of `'(?i:[sdmt]|ll|ve|re)` at window byte p (an apostrophe, p < 63), or 0: ASCII
+// case folding of letters; past bit 63 nothing follows when the window ends the segment (else the
+// starts from p on are undecided anyway).
+inline int folded_contraction_length(const uint8_t* w, int p) {
+  const uint8_t c1 = w[p + 1] | 0x20, c2 = p + 2 < 64 ? w[p + 2] | 0x20 : 0;
+  if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') return 2;
+  if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) return 3;
+  return 0;
+}
+
 // Starts in the window's digit runs: `\p{N}{1,3}` cuts a run every third digit from its start.
 inline uint64_t digit_run_starts(uint64_t digit) {
   constexpr uint64_t kEveryThird = 0x9249249249249249ull;  // bits 0, 3, 6, ...
@@ -440,14 +450,8 @@ inline int decided_before_open_space(int decided, uint64_t space, int first_unkn
   starts |= hspace_runs_ending_in(hspace & (newline << 1) & ~(taken_newlines << 1), hspace, nonspace, false);
   for (uint64_t quotes = m.apostrophe & starts; quotes != 0; quotes &= quotes - 1) {
     const int p = __builtin_ctzll(quotes);
-    if (p + 2 >= 64) break;
-    const uint8_t c1 = w[p + 1] | 0x20, c2 = w[p + 2] | 0x20;  // ASCII case folding of letters
-    int len = 0;
-    if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') {
-      len = 2;
-    } else if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) {
-      len = 3;
-    }
+    if (p + 1 >= 64) break;
+    const int len = folded_contraction_length(w, p);
     if (len != 0 && p + len < 64) starts |= letter & (uint64_t{1} << (p + len));
   }
   return {starts, whole ? static_cast<int>(avail) : decided_before_open_space(first_unknown - 1, space, first_unknown)};
@@ -564,15 +568,7 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
     const int p = __builtin_ctzll(quotes);
     if (p + 1 >= 64) break;
     if (p == suffix_end) continue;
-    // ASCII case folding of letters; past bit 63 nothing follows when the window ends the segment
-    // (else the starts from p on are undecided anyway).
-    const uint8_t c1 = w[p + 1] | 0x20, c2 = p + 2 < 64 ? w[p + 2] | 0x20 : 0;
-    int len = 0;
-    if (c1 == 's' || c1 == 'd' || c1 == 'm' || c1 == 't') {
-      len = 2;
-    } else if ((c1 == 'l' && c2 == 'l') || (c1 == 'v' && c2 == 'e') || (c1 == 'r' && c2 == 'e')) {
-      len = 3;
-    }
+    const int len = folded_contraction_length(w, p);
     if (len == 0) continue;
     starts &= ~(((uint64_t{1} << len) - 1) << p);
     if (p + len < 64) starts |= letter & (uint64_t{1} << (p + len));
