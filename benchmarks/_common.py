@@ -17,8 +17,9 @@ from typing import Any
 README = Path(__file__).with_name("README.md")
 
 
-def parse_args(description: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description)
+def parse_args(docstring: str) -> argparse.Namespace:
+    """Parses the benchmark's flags; --help shows the first paragraph of its module docstring."""
+    parser = argparse.ArgumentParser(description=" ".join(docstring.split("\n\n")[0].split()))
     parser.add_argument("--write-readme", action="store_true", help="rewrite this benchmark's README section")
     parser.add_argument("--quick", action="store_true", help="smaller inputs, fewer repeats (smoke run)")
     return parser.parse_args()

@@ -141,7 +141,7 @@ def _fmt(seconds: float | None) -> str:
 def main() -> None:
     from _common import markdown_table, parse_args
 
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__)
     from trainfast._util import resolve_num_threads
 
     threads = resolve_num_threads(None)

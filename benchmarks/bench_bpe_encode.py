@@ -30,7 +30,7 @@ def corpus(name: str, num_chars: int | None) -> str:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__)
     from reference.bpe_tokenizer import tiktoken_gpt2
 
     repeats = 2 if args.quick else 3

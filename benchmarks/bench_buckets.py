@@ -291,7 +291,7 @@ def newest_rows(r: dict) -> list[str]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__)
     load = os.getloadavg()[0]
     if os.environ.get(CHILD_ENV):
         newest_child_main(args.quick)

@@ -32,7 +32,7 @@ def upstream_chunk_function():
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__)
     num_items = 20_000 if args.quick else 1_000_000
     bins = 8
     repeats = 3

@@ -110,7 +110,7 @@ def balance_table(quick: bool) -> str:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__)
     speed = speed_table(args.quick)
     print(speed)
     balance = balance_table(args.quick)

@@ -115,7 +115,7 @@ def timing_rows(quick: bool) -> list[list[str]]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__)
     timing = timing_rows(args.quick)
     quality = quality_rows(args.quick)
     timing_table = markdown_table(["task", "baseline", "baseline time", "trainfast", "speed-up", "identical"], timing)

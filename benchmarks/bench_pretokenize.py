@@ -118,7 +118,7 @@ def cores_by_round(repeats: int, per_round: int = 4) -> list[list[int]]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__)
     import regex
 
     from trainfast import _core

@@ -1,7 +1,7 @@
 """Swap trainfast's EPLB into any module with DeepSeek's API (a copied ``eplb.py``, SGLang's
 ``deepseek`` algorithm module, ...).
 
->>> import my_copy_of_eplb
+>>> import my_copy_of_eplb  # doctest: +SKIP
 >>> from trainfast.integrations import eplb
 >>> eplb.patch(my_copy_of_eplb)  # doctest: +SKIP
 ['my_copy_of_eplb.balanced_packing', ...]
