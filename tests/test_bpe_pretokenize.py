@@ -49,6 +49,9 @@ special_lists = st.lists(st.sampled_from(SPECIALS), max_size=3)
 # non-ASCII character now and then moves where a window stops.
 ASCII_HARD = list(" \t\n\r\x0b\x0c\x1c\x00'\".,!?/-_019azSDMTLVEsdmtlvre")
 window_text = st.text(alphabet=st.sampled_from(ASCII_HARD * 10 + HARD), max_size=300)
+# Long and mostly not ASCII: the GPT-2 windows also decide letters, digits and "other" of any script
+# (a non-ASCII \s character, or one cut by the window's end, stops them).
+script_text = st.text(alphabet=st.one_of(st.sampled_from(ASCII_HARD + HARD * 2), st.characters()), max_size=300)
 
 # The fuzz profile (`make fuzz`) runs the main differential test on >= 100,000 strings.
 many = settings(max_examples=100_000) if FUZZ else settings()
@@ -136,6 +139,13 @@ def test_pretokenize_equals_regex(name, text):
 @many
 @given(text=window_text)
 def test_pretokenize_equals_regex_on_ascii_windows(name, text):
+    assert pretokenize(text, pattern=name) == ref.pretokenize(text, name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@many
+@given(text=script_text)
+def test_pretokenize_equals_regex_on_script_windows(name, text):
     assert pretokenize(text, pattern=name) == ref.pretokenize(text, name)
 
 

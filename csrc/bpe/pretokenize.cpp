@@ -221,7 +221,8 @@ struct SpaceRun {
 // except for contractions: an apostrophe that starts a match (p-1 neither "other" nor ' ') and is
 // followed by s|d|m|t or ll|ve|re is a match of its own, which moves the next start past it.
 // The start at p depends on bytes p-4..p+1 only, so starts are final up to two bytes before the
-// first non-ASCII byte (or the window's end). scan_pretokens (below) moves the windows.
+// first non-ASCII byte (or the window's end); gpt2_classify_high (below) moves that byte further.
+// scan_pretokens (below) moves the windows.
 
 struct WindowMasks {
   uint64_t letter, digit, space, blank, apostrophe, high;  // blank = ' '
@@ -320,6 +321,38 @@ struct WindowStarts {
     if (p + len < 64) starts |= uint64_t{1} << (p + len);
   }
   return {starts, whole ? static_cast<int>(avail) : first_unknown - 2};
+}
+
+// GPT-2 on other scripts: the rules above hold for characters of any length once every byte of a
+// character carries its class (a start can then only fall on a lead byte: a continuation byte has
+// its lead's group, and is neither ' ' nor \s), except that `\s+(?!\S)` gives back the run's last
+// *character*, whose lead need not be the byte before the next X. So the window's non-ASCII
+// characters are decoded (exactly as decode_at does: `limit` is the segment's end when it ends in
+// the window) and their bytes moved into the letter/digit/other masks, up to the first one that is
+// \s or does not fit in the window; that one stays "high", unknown, as before.
+[[gnu::always_inline]] inline void gpt2_classify_high(const uint8_t* w, WindowMasks& m, uint64_t real, size_t limit,
+                                                      bool last) {
+  for (uint64_t todo = m.high & real; todo != 0;) {
+    const int p = __builtin_ctzll(todo);
+    const uint8_t b = w[p];
+    const size_t need = b >= 0xF8 ? 1 : b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 1;
+    if (!last && p + need > limit) return;  // the character goes on in the next window
+    uint32_t len;
+    const CharClass cls = unicode::char_class(decode_at(w, static_cast<size_t>(p), limit, &len));
+    if (cls == kSpace) return;
+    const uint64_t span = ((uint64_t{1} << len) - 1) << p;
+    if ((span & ~m.high) != 0) {  // invalid UTF-8 whose "character" took ASCII bytes along
+      m.letter &= ~span;
+      m.digit &= ~span;
+      m.space &= ~span;
+      m.blank &= ~span;
+      m.apostrophe &= ~span;
+    }
+    m.high &= ~span;
+    if (in(kLetterMask, cls)) m.letter |= span;
+    if (cls == kNumber) m.digit |= span;
+    todo &= ~span;
+  }
 }
 
 // Calls emit(begin, end) for every pre-token of s[0:n), in order.
@@ -602,8 +635,11 @@ template <Pattern P, typename Emit>
       std::memset(tail + avail, 0x80, 64 - avail);
       w = tail;
     }
-    const WindowMasks m = classify64<P>(w);
+    WindowMasks m = classify64<P>(w);
     const uint64_t real = last && avail < 64 ? (uint64_t{1} << avail) - 1 : ~uint64_t{0};
+    if constexpr (P == Pattern::kGpt2) {
+      if ((m.high & real) != 0) gpt2_classify_high(w, m, real, last ? avail : 64, last);
+    }
     const uint64_t high = m.high & real;
     const bool whole = last && high == 0;
     const int first_unknown = high != 0 ? __builtin_ctzll(high) : 64;
