@@ -327,18 +327,16 @@ struct WindowStarts {
 // character carries its class (a start can then only fall on a lead byte: a continuation byte has
 // its lead's group, and is neither ' ' nor \s), except that `\s+(?!\S)` gives back the run's last
 // *character*, whose lead need not be the byte before the next X. So the window's non-ASCII
-// characters are decoded (exactly as decode_at does: `limit` is the segment's end when it ends in
-// the window) and their bytes moved into the letter/digit/other masks, up to the first one that is
-// \s or does not fit in the window; that one stays "high", unknown, as before.
-[[gnu::always_inline]] inline void gpt2_classify_high(const uint8_t* w, WindowMasks& m, uint64_t real, size_t limit,
-                                                      bool last) {
+// characters are decoded (by decode_at over the rest of the segment, `avail` bytes from w) and
+// their bytes moved into the letter/digit/other masks, up to the first one that is \s or goes on
+// past the window; that one stays "high", unknown, as before.
+[[gnu::always_inline]] inline void gpt2_classify_high(const uint8_t* w, WindowMasks& m, uint64_t real, size_t avail) {
   for (uint64_t todo = m.high & real; todo != 0;) {
     const int p = __builtin_ctzll(todo);
-    const uint8_t b = w[p];
-    const size_t need = b >= 0xF8 ? 1 : b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 1;
-    if (!last && p + need > limit) return;  // the character goes on in the next window
     uint32_t len;
-    const CharClass cls = unicode::char_class(decode_at(w, static_cast<size_t>(p), limit, &len));
+    const char32_t cp = decode_at(w, static_cast<size_t>(p), avail, &len);
+    if (p + len > 64) return;
+    const CharClass cls = unicode::char_class(cp);
     if (cls == kSpace) return;
     const uint64_t span = ((uint64_t{1} << len) - 1) << p;
     if ((span & ~m.high) != 0) {  // invalid UTF-8 whose "character" took ASCII bytes along
@@ -638,7 +636,7 @@ template <Pattern P, typename Emit>
     WindowMasks m = classify64<P>(w);
     const uint64_t real = last && avail < 64 ? (uint64_t{1} << avail) - 1 : ~uint64_t{0};
     if constexpr (P == Pattern::kGpt2) {
-      if ((m.high & real) != 0) gpt2_classify_high(w, m, real, last ? avail : 64, last);
+      if ((m.high & real) != 0) gpt2_classify_high(w, m, real, avail);
     }
     const uint64_t high = m.high & real;
     const bool whole = last && high == 0;
