@@ -49,8 +49,9 @@ special_lists = st.lists(st.sampled_from(SPECIALS), max_size=3)
 # non-ASCII character now and then moves where a window stops.
 ASCII_HARD = list(" \t\n\r\x0b\x0c\x1c\x00'\".,!?/-_019azSDMTLVEsdmtlvre")
 window_text = st.text(alphabet=st.sampled_from(ASCII_HARD * 10 + HARD), max_size=300)
-# Long and mostly not ASCII: the GPT-2 windows also decide letters, digits and "other" of any script
-# (a non-ASCII \s character, or one cut by the window's end, stops them).
+# Long and mostly not ASCII: the windows also decide characters of other scripts (GPT-2: letters,
+# digits and "other"; cl100k: letters; o200k: upper- and lower-case letters), up to one they do not
+# take or one cut by the window's end.
 script_text = st.text(alphabet=st.one_of(st.sampled_from(ASCII_HARD + HARD * 2), st.characters()), max_size=300)
 
 # The fuzz profile (`make fuzz`) runs the main differential test on >= 100,000 strings.
@@ -147,6 +148,25 @@ def test_pretokenize_equals_regex_on_ascii_windows(name, text):
 @given(text=script_text)
 def test_pretokenize_equals_regex_on_script_windows(name, text):
     assert pretokenize(text, pattern=name) == ref.pretokenize(text, name)
+
+
+# Letters of other scripts next to what the window rules look at (a contraction's apostrophe and
+# letters, a case change, a digit, a newline, "other" before a word), at every offset across a
+# window's end: the long s after an apostrophe is a contraction for cl100k and o200k.
+LETTER_EDGES = [
+    "'\u017ft", "'\u017f", "x'\u017fll", "\u00c9'S", "\u00e9'Ve", "\u0430\u0410\u0430'\u0434",
+    "\u01c5a\u01c5", "\u00c9T\u00c9\u00e9t\u00e9", "9\u00e9", "\n\u00e9", "?\u00e9", " ?\u00e9", "''\u00e9",
+    "\u0391\u03b1\u0391\u03b1", "\u4e2d\u6587A\u0430", "\u00e9\u0301\u00e9", "\u00e9\u02b0\u00c9", "\u00e9 \u00e9\u00a0\u00e9",
+    "\u00c9\u0660\u00e9", "a\u00e9/\n\u00e9", "\u00e9\r\n \u00e9", "\u00e9\u2019s",
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("piece", LETTER_EDGES)
+def test_pretokenize_letters_of_other_scripts_across_windows(name, piece):
+    for offset in range(70):
+        text = "ab " * (offset // 3) + "c" * (offset % 3) + piece + " \u00e9\u00e9 " * 10
+        assert pretokenize(text, pattern=name) == ref.pretokenize(text, name), (offset, text)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -221,7 +221,7 @@ struct SpaceRun {
 // except for contractions: an apostrophe that starts a match (p-1 neither "other" nor ' ') and is
 // followed by s|d|m|t or ll|ve|re is a match of its own, which moves the next start past it.
 // The start at p depends on bytes p-4..p+1 only, so starts are final up to two bytes before the
-// first non-ASCII byte (or the window's end); gpt2_classify_high (below) moves that byte further.
+// first non-ASCII byte (or the window's end); classify_high (below) moves that byte further.
 // scan_pretokens (below) moves the windows.
 
 struct WindowMasks {
@@ -323,21 +323,33 @@ struct WindowStarts {
   return {starts, whole ? static_cast<int>(avail) : first_unknown - 2};
 }
 
-// GPT-2 on other scripts: the rules above hold for characters of any length once every byte of a
-// character carries its class (a start can then only fall on a lead byte: a continuation byte has
-// its lead's group, and is neither ' ' nor \s), except that `\s+(?!\S)` gives back the run's last
-// *character*, whose lead need not be the byte before the next X. So the window's non-ASCII
-// characters are decoded (by decode_at over the rest of the segment, `avail` bytes from w) and
-// their bytes moved into the letter/digit/other masks, up to the first one that is \s or goes on
-// past the window; that one stays "high", unknown, as before.
-[[gnu::always_inline]] inline void gpt2_classify_high(const uint8_t* w, WindowMasks& m, uint64_t real, size_t avail) {
+// Other scripts in the windows. GPT-2's rules above hold for characters of any length once every
+// byte of a character carries its class (a start can then only fall on a lead byte: a continuation
+// byte has its lead's group, and is neither ' ' nor \s), except that `\s+(?!\S)` gives back the
+// run's last *character*, whose lead need not be the byte before the next X. So the window's
+// non-ASCII characters are decoded (by decode_at over the rest of the segment, `avail` bytes from
+// w) and their bytes moved into the class masks, up to the first one that the pattern's rules
+// cannot take or that goes on past the window; that one stays "high", unknown, as before.
+// cl100k's and o200k's rules (below) also look two bytes back past an O, and count digits by
+// bytes, so they take letters only: cl100k any \p{L}, o200k \p{Lu}/\p{Lt} (as A-Z) and \p{Ll}
+// (\p{Lm}, \p{Lo} and \p{M} are in both of its case runs, which its rules do not model). A letter
+// byte looks only one character back or ahead in those rules, where the byte's class is its
+// character's. U+017F (long s) stays unknown: `(?i:...)` matches it as the "s" of a contraction.
+template <Pattern P>
+[[gnu::always_inline]] inline void classify_high(const uint8_t* w, WindowMasks& m, uint64_t real, size_t avail) {
   for (uint64_t todo = m.high & real; todo != 0;) {
     const int p = __builtin_ctzll(todo);
     uint32_t len;
     const char32_t cp = decode_at(w, static_cast<size_t>(p), avail, &len);
     if (p + len > 64) return;
     const CharClass cls = unicode::char_class(cp);
-    if (cls == kSpace) return;
+    if constexpr (P == Pattern::kGpt2) {
+      if (cls == kSpace) return;
+    } else if constexpr (P == Pattern::kCl100k) {
+      if (!in(kLetterMask, cls) || cp == 0x17F) return;
+    } else {
+      if ((cls != kUpper && cls != kLower) || cp == 0x17F) return;
+    }
     const uint64_t span = ((uint64_t{1} << len) - 1) << p;
     if ((span & ~m.high) != 0) {  // invalid UTF-8 whose "character" took ASCII bytes along
       m.letter &= ~span;
@@ -345,10 +357,14 @@ struct WindowStarts {
       m.space &= ~span;
       m.blank &= ~span;
       m.apostrophe &= ~span;
+      m.newline &= ~span;
+      m.upper &= ~span;
+      m.slash &= ~span;
     }
     m.high &= ~span;
     if (in(kLetterMask, cls)) m.letter |= span;
     if (cls == kNumber) m.digit |= span;
+    if (P == Pattern::kO200k && cls == kUpper) m.upper |= span;
     todo &= ~span;
   }
 }
@@ -452,8 +468,9 @@ inline int decided_before_open_space(int decided, uint64_t space, int first_unkn
   return std::min(decided, run_start + 1);
 }
 
-// cl100k on ASCII, a window at a time (as GPT-2 above). Classes: L letters, N digits, \s split into
-// NL ("\r", "\n") and HS (the other four), O the rest. A match starts at p exactly when
+// cl100k on ASCII (and the letters classify_high takes), a window at a time (as GPT-2 above).
+// Classes: L letters, N digits, \s split into NL ("\r", "\n") and HS (the other four), O the rest.
+// A match starts at p exactly when
 //   - p is O and p-1 is neither O nor ' ' (a ' ' before O always starts ` ?O++[\r\n]*+`);
 //   - p is L and p-1 is N or NL; or p-1 is O that does not start a match (p-2 is O or ' '), so
 //     not the prefix of `[^\r\n\p{L}\p{N}]?+\p{L}++`; or p follows a contraction ('s 'd 'm 't
@@ -464,7 +481,7 @@ inline int decided_before_open_space(int decided, uint64_t space, int first_unkn
 //     O (`\s*[\r\n]` ends there); or p is HS between an HS and L, N or O (`\s+(?!\S)` gives the
 //     run's last character back). A \s run that ends the segment is one match (`\s++$`).
 // Starts at p depend on bytes before p and on p+1, except after an NL, where they depend on how
-// the \s run ends: starts are final below the first non-ASCII byte less one, and up to the start
+// the \s run ends: starts are final below the first unknown byte less one, and up to the start
 // of a \s run that reaches it (that start included).
 [[gnu::noinline]] WindowStarts cl100k_window_starts(const uint8_t* w, const WindowMasks& m, uint64_t real,
                                                     int first_unknown, bool whole, size_t avail) {
@@ -558,10 +575,11 @@ inline size_t o200k_contraction(const uint8_t* s, size_t e, size_t n) {
   return run.last_start;                                 // \s+(?!\S)
 }
 
-// o200k on ASCII, a window at a time (as cl100k; letters split into U, A-Z, and lower case). The
-// run of "\r", "\n" and "/" that starts at an NL right after O is taken by the match of that O run
+// o200k on ASCII (and the letters classify_high takes), a window at a time (as cl100k; letters
+// split into U, upper case (A-Z, \p{Lu}, \p{Lt}), and lower case). The run of "\r", "\n" and "/"
+// that starts at an NL right after O is taken by the match of that O run
 // (` ?[^\s\p{L}\p{N}]+[\r\n/]*`). A match starts at p exactly when
-//   - p is U and p-1 is a-z (a word ends where upper case follows lower case);
+//   - p is U and p-1 is lower case (a word ends where upper case follows lower case);
 //   - p is L and p-1 is N or NL; or p-1 is O, taken or not starting a match (p-2 is O or ' ', not
 //     taken), so not a word's prefix; or p follows a contraction suffix (below);
 //   - p is O, not taken, and p-1 is neither O nor ' ', or was taken;
@@ -635,9 +653,7 @@ template <Pattern P, typename Emit>
     }
     WindowMasks m = classify64<P>(w);
     const uint64_t real = last && avail < 64 ? (uint64_t{1} << avail) - 1 : ~uint64_t{0};
-    if constexpr (P == Pattern::kGpt2) {
-      if ((m.high & real) != 0) gpt2_classify_high(w, m, real, avail);
-    }
+    if ((m.high & real) != 0) classify_high<P>(w, m, real, avail);
     const uint64_t high = m.high & real;
     const bool whole = last && high == 0;
     const int first_unknown = high != 0 ? __builtin_ctzll(high) : 64;
