@@ -334,7 +334,8 @@ struct WindowStarts {
 // bytes, so they take letters only: cl100k any \p{L}, o200k \p{Lu}/\p{Lt} (as A-Z) and \p{Ll}
 // (\p{Lm}, \p{Lo} and \p{M} are in both of its case runs, which its rules do not model). A letter
 // byte looks only one character back or ahead in those rules, where the byte's class is its
-// character's. U+017F (long s) stays unknown: `(?i:...)` matches it as the "s" of a contraction.
+// character's. U+017F (long s) stays unknown: `(?i:...)` matches it as the "s" of a contraction;
+// so does an overlong (invalid) encoding of an ASCII letter, which the window reads as raw bytes.
 template <Pattern P>
 [[gnu::always_inline]] inline void classify_high(const uint8_t* w, WindowMasks& m, uint64_t real, size_t avail) {
   for (uint64_t todo = m.high & real; todo != 0;) {
@@ -346,9 +347,9 @@ template <Pattern P>
     if constexpr (P == Pattern::kGpt2) {
       if (cls == kSpace) return;
     } else if constexpr (P == Pattern::kCl100k) {
-      if (!in(kLetterMask, cls) || cp == 0x17F) return;
+      if (!in(kLetterMask, cls) || cp < 0x80 || cp == 0x17F) return;
     } else {
-      if ((cls != kUpper && cls != kLower) || cp == 0x17F) return;
+      if ((cls != kUpper && cls != kLower) || cp < 0x80 || cp == 0x17F) return;
     }
     const uint64_t span = ((uint64_t{1} << len) - 1) << p;
     if ((span & ~m.high) != 0) {  // invalid UTF-8 whose "character" took ASCII bytes along
