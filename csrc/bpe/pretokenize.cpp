@@ -346,10 +346,9 @@ template <Pattern P>
     const CharClass cls = unicode::char_class(cp);
     if constexpr (P == Pattern::kGpt2) {
       if (cls == kSpace) return;
-    } else if constexpr (P == Pattern::kCl100k) {
-      if (!in(kLetterMask, cls) || cp < 0x80 || cp == 0x17F) return;
     } else {
-      if ((cls != kUpper && cls != kLower) || cp < 0x80 || cp == 0x17F) return;
+      const bool taken = P == Pattern::kCl100k ? in(kLetterMask, cls) : cls == kUpper || cls == kLower;
+      if (!taken || cp < 0x80 || cp == 0x17F) return;
     }
     const uint64_t span = ((uint64_t{1} << len) - 1) << p;
     if ((span & ~m.high) != 0) {  // invalid UTF-8 whose "character" took ASCII bytes along
