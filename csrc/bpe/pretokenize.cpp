@@ -961,23 +961,27 @@ class alignas(128) CountTable {
     if (order_.size() >= max_entries()) grow(interrupt);
   }
 
-  // Rehashes every entry: a few tenths of a second for millions, so Ctrl-C is polled. A grow cut
-  // short leaves the table inconsistent, which is fine: a call that throws breaks the counter.
+  // Rehashes every entry, walking the old slots in order: home slots rise with the old slot, so
+  // both arrays stream (in insertion order both were read and written at random). Tenths of a
+  // second for millions, so Ctrl-C is polled. A grow cut short leaves the table inconsistent,
+  // which is fine: a call that throws breaks the counter.
   void grow(Interrupt* interrupt) {
     if (shift_ == 0 || order_.size() >= kMaxEntries) throw std::length_error("pre-token table is full");
     ZeroedArray<Slot> old_slots(slots_.size() * 2);
     old_slots.swap(slots_);
     --shift_;
     mask_ = slots_.size() - 1;
-    for (size_t k = 0; k < order_.size(); ++k) {
-      if (interrupt != nullptr && (k & 0xFFFF) == 0xFFFF) interrupt->check();
-      uint32_t& slot_idx = order_[k];
-      const Slot& old = old_slots[slot_idx];
+    UninitializedBuffer<uint32_t> moved_to(old_slots.size());
+    for (size_t old_idx = 0; old_idx < old_slots.size(); ++old_idx) {
+      if (interrupt != nullptr && (old_idx & 0xFFFF) == 0xFFFF) interrupt->check();
+      const Slot& old = old_slots[old_idx];
+      if (old.count == 0) continue;
       size_t idx = home(old.meta);
       while (slots_[idx].count != 0) idx = (idx + 1) & mask_;
       slots_[idx] = old;
-      slot_idx = static_cast<uint32_t>(idx);
+      moved_to[old_idx] = static_cast<uint32_t>(idx);
     }
+    for (uint32_t& slot_idx : order_) slot_idx = moved_to[slot_idx];
   }
 
   // Slots in huge pages: a large table is probed at random, and with 4 KiB pages most probes
