@@ -14,6 +14,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <ranges>
 #include <thread>
@@ -1347,8 +1348,7 @@ struct PretokenCounter::Impl {
     if (text != s) release_mapped(s, n);  // decoded into the buffer
     std::vector<Chunk> chunks;
     cut_all(text, text_size, chunks, 0, interrupt);
-    // Counted in place: each worker drops the pages of its chunks (the teardown runs in parallel),
-    // then the pages that straddle two chunks go.
+    // Counted in place: the pages are dropped as counting moves on, the rest at the end.
     count_chunks(chunks, interrupt, bytes_done, text == s);
     if (text == s) release_mapped(s, n);
   }
@@ -1416,9 +1416,47 @@ struct PretokenCounter::Impl {
     }
   }
 
+  // Drops the pages of a file block's chunks (which tile it) as the counted prefix of its work
+  // items grows, at least kStepBytes at a time: each madvise makes every core that runs a worker
+  // flush its TLB (an interrupt, costly in a VM), and one per chunk made two threads count gcide
+  // about 7% slower on the 2-vCPU dev VM. The caller drops the whole block at the end.
+  class CountedPrefixRelease {
+   public:
+    static constexpr size_t kStepBytes = size_t{4} << 20;
+
+    CountedPrefixRelease(const std::vector<Chunk>& chunks, const std::vector<size_t>& item_starts)
+        : chunks_(chunks), item_starts_(item_starts), done_(item_starts.size() - 1, 0),
+          from_(chunks.empty() ? nullptr : chunks.front().data) {}
+
+    void item_done(size_t item) {
+      const uint8_t* begin = nullptr;
+      size_t size = 0;
+      {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        done_[item] = 1;
+        while (next_item_ < done_.size() && done_[next_item_] != 0) ++next_item_;
+        if (next_item_ == done_.size()) return;
+        const uint8_t* prefix_end = chunks_[item_starts_[next_item_]].data;
+        if (static_cast<size_t>(prefix_end - from_) < kStepBytes) return;
+        begin = from_;
+        size = static_cast<size_t>(prefix_end - from_);
+        from_ = prefix_end;
+      }
+      release_mapped(begin, size);
+    }
+
+   private:
+    const std::vector<Chunk>& chunks_;
+    const std::vector<size_t>& item_starts_;
+    std::mutex mutex_;
+    std::vector<uint8_t> done_;
+    size_t next_item_ = 0;    // the first item not counted yet
+    const uint8_t* from_;     // where the pages not dropped yet begin
+  };
+
   // Counts chunks in parallel, each worker into its own table (threads never share a cache line
   // while counting); consecutive small chunks are grouped into work items, pulled in order.
-  // `release`: the chunks lie in a file mapping, whose pages each worker drops once counted.
+  // `release`: the chunks tile a block of a file mapping, whose pages are dropped once counted.
   void count_chunks(const std::vector<Chunk>& chunks, Interrupt* interrupt, std::atomic<int64_t>* bytes_done,
                     bool release = false) {
     std::vector<size_t> item_starts;
@@ -1432,14 +1470,16 @@ struct PretokenCounter::Impl {
     }
     item_starts.push_back(chunks.size());
     const size_t num_new_items = item_starts.size() - 1;
+    std::optional<CountedPrefixRelease> released;
+    if (release) released.emplace(chunks, item_starts);
     run_workers(num_new_items, options.num_threads, interrupt, [&](size_t item, int worker) {
       tables[worker].begin_item(num_items + item);
       int64_t item_bytes = 0;
       for (size_t k = item_starts[item]; k < item_starts[item + 1]; ++k) {
         count_chunk(chunks[k], tables[worker], interrupt);
-        if (release) release_mapped(chunks[k].data, chunks[k].size);
         item_bytes += static_cast<int64_t>(chunks[k].size);
       }
+      if (released) released->item_done(item);
       if (bytes_done != nullptr) bytes_done->fetch_add(item_bytes, std::memory_order_relaxed);
     });
     num_items += num_new_items;
