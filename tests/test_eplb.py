@@ -177,6 +177,16 @@ def test_sglang_enable_hierarchical_argument():
     weight = torch.tensor(README_WEIGHT)
     assert_same(eplb.rebalance_experts(weight, 16, 4, 2, 8, True), eplb.rebalance_experts(weight, 16, 4, 2, 8))
     assert_same(eplb.rebalance_experts(weight, 16, 4, 2, 8, False), eplb.rebalance_experts(weight, 16, 3, 2, 8))
+    # SGLang passes num_groups=None for models without expert groups; its global policy ignores it.
+    for num_groups, num_nodes in [(None, 1), (0, 0), (None, None)]:
+        assert_same(eplb.rebalance_experts(weight, 16, num_groups, num_nodes, 8, False),
+                    eplb.rebalance_experts(weight, 16, 3, 2, 8))
+        assert_same(eplb.rebalance_experts(weight, 16, num_groups, num_nodes, 8, enable_hierarchical=False),
+                    ref.rebalance_experts(weight, 16, 1, 1, 8))
+    with pytest.raises(TypeError, match="num_groups"):
+        eplb.rebalance_experts(weight, 16, None, 1, 8)
+    with pytest.raises(TypeError, match="num_groups"):
+        eplb.rebalance_experts(weight, 16, None, 1, 8, True)
 
 
 # --- helpers ------------------------------------------------------------------------------------------

@@ -79,10 +79,15 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
         check_has_data(value, name)
         return value.detach()
     if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf":
+            raise TypeError(f"{name} must have a real numeric dtype (got NumPy {value.dtype})")
         return torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence (got {type(value).__name__})")
-    return torch.tensor(value)
+    try:
+        return torch.tensor(value)
+    except (ValueError, TypeError, RuntimeError) as error:  # ragged nesting, non-numbers
+        raise ValueError(f"{name} must be a rectangular nested sequence of numbers ({error})") from None
 
 
 def _weight_2d(weight: Any) -> torch.Tensor:
@@ -186,8 +191,8 @@ def _run(weight: np.ndarray, group_loads: np.ndarray | None, num_physical: int, 
 def rebalance_experts(
     weight: Any,
     num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
+    num_groups: int | None,
+    num_nodes: int | None,
     num_gpus: int,
     enable_hierarchical: bool | None = None,
     *,
@@ -204,7 +209,8 @@ def rebalance_experts(
             CPU, like upstream). NaN, infinite or negative loads raise ValueError.
         num_replicas: physical experts per layer, a multiple of ``num_gpus``, >= the logical experts.
         num_groups: expert groups; the hierarchical policy runs when ``num_groups % num_nodes == 0``,
-            else the global one (one group, one node).
+            else the global one (one group, one node). Unused (any value, e.g. None) when
+            ``enable_hierarchical`` is False, as in SGLang.
         num_nodes: server nodes (fast intra-node network).
         num_gpus: GPUs, a multiple of ``num_nodes`` (hierarchical policy).
         enable_hierarchical: SGLang's variant of the API: forces the policy (None: DeepSeek's rule).
@@ -227,12 +233,17 @@ def rebalance_experts(
     """
     tensor = _weight_2d(weight)
     num_replicas = _count(num_replicas, "num_replicas")
-    num_groups = _count(num_groups, "num_groups")
-    num_nodes = _count(num_nodes, "num_nodes")
     num_gpus = _count(num_gpus, "num_gpus")
     check_choice(tie_break, "tie_break", _TIE_BREAKS)
     num_logical = tensor.shape[1]
-    hierarchical = num_groups % num_nodes == 0 if enable_hierarchical is None else bool(enable_hierarchical)
+    if enable_hierarchical is None or bool(enable_hierarchical):
+        num_groups = _count(num_groups, "num_groups")
+        num_nodes = _count(num_nodes, "num_nodes")
+        hierarchical = num_groups % num_nodes == 0 if enable_hierarchical is None else True
+    else:
+        # SGLang passes num_groups=None for models without expert groups; its global policy
+        # never reads num_groups or num_nodes.
+        hierarchical = False
     if hierarchical:
         _check_hierarchical(num_logical, num_replicas, num_groups, num_nodes, num_gpus, "num_replicas")
         groups, nodes = num_groups, num_nodes
