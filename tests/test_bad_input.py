@@ -125,6 +125,12 @@ def _param(numel: int, requires_grad: bool = True) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.zeros(numel), requires_grad=requires_grad)
 
 
+def _expert_param(numel: int) -> torch.nn.Parameter:
+    param = _param(numel)
+    param.allreduce = False  # Megatron's mark of an expert-parallel param
+    return param
+
+
 _DDP = SimpleNamespace(pad_buckets_for_high_nccl_busbw=False, grad_reduce_in_fp32=False)
 _W = torch.ones(2, 12)
 _NAN_ROW = torch.tensor([[1.0, float("nan")] * 6] * 2)
@@ -222,6 +228,11 @@ CASES: list[Case] = [
     Case("eplb.rebalance_experts", "wrong dtype", lambda: eplb.rebalance_experts(torch.ones(2, 4, dtype=torch.complex64), 4, 1, 1, 2), (ValueError, TypeError), "weight"),
     Case("eplb.rebalance_experts", "malformed string", lambda: eplb.rebalance_experts(torch.ones(2, 4), 4, 1, 1, 2, tie_break="random"), ValueError, "tie_break"),
     Case("eplb.rebalance_experts", "output too large for memory", lambda: eplb.rebalance_experts(torch.ones(100_000, 8), 2**30, 1, 1, 8), ValueError, r"would need .* GiB"),
+    Case("eplb.rebalance_experts", "sparse tensor", lambda: eplb.rebalance_experts(torch.ones(2, 4).to_sparse(), 4, 1, 1, 2), TypeError, "weight must be a dense tensor"),
+    Case("eplb.rebalance_experts", "sparse tensor", lambda: eplb.rebalance_experts(torch.ones(2, 4).to_sparse(), 4, None, None, 2, False), TypeError, "weight must be a dense tensor"),
+    Case("eplb.rebalance_experts", "wrong dtype", lambda: eplb.rebalance_experts(np.array([[1, "a"]], dtype=object), 4, 1, 1, 2), TypeError, "weight"),
+    Case("eplb.rebalance_experts", "ragged", lambda: eplb.rebalance_experts([[1.0, 2.0], [3.0]], 4, 1, 1, 2), ValueError, "weight must be a rectangular"),
+    Case("eplb.balanced_packing", "sparse tensor", lambda: eplb.balanced_packing(torch.ones(2, 4).to_sparse(), 2), TypeError, "weight must be a dense tensor"),
     Case("eplb.balanced_packing", "indivisible sizes", lambda: eplb.balanced_packing(torch.ones(2, 5), 2), AssertionError, "num_packs"),
     Case("eplb.replicate_experts", "wrong value", lambda: eplb.replicate_experts(torch.ones(2, 5), 3), AssertionError, "num_phy"),
     # --- bpe ---------------------------------------------------------------------------------------------
@@ -276,9 +287,9 @@ CASES += [
     Case("buckets.compute_full_param_layout", "zero", lambda: buckets.compute_full_param_layout([_param(4)], 100, 0, _DDP), ValueError, "data_parallel_world_size"),
     Case("buckets.compute_full_param_layout", "negative", lambda: buckets.compute_full_param_layout([_param(4)], 100, -2, _DDP), ValueError, "data_parallel_world_size"),
     Case("buckets.compute_full_param_layout", "wrong type", lambda: buckets.compute_full_param_layout([_param(4)], 100, 2.0, _DDP), TypeError, "data_parallel_world_size"),
-    Case("buckets.compute_full_param_layout", "NaN/inf", lambda: buckets.compute_full_param_layout([_param(4)], float("nan"), 2, _DDP), TypeError, "bucket_size"),
+    Case("buckets.compute_full_param_layout", "NaN/inf", lambda: buckets.compute_full_param_layout([_param(4)], float("nan"), 2, _DDP), ValueError, "bucket_size"),
     Case("buckets.compute_full_param_layout", "malformed string", lambda: buckets.compute_full_param_layout([_param(4)], "100", 2, _DDP), TypeError, "bucket_size"),
-    Case("buckets.compute_full_param_layout", "zero", lambda: buckets.compute_full_param_layout([_param(4)], 100, 2, _DDP, 0), ValueError, "expert_data_parallel_world_size"),
+    Case("buckets.compute_full_param_layout", "zero", lambda: buckets.compute_full_param_layout([_param(4), _expert_param(4)], 100, 2, _DDP, 0), ValueError, "expert_data_parallel_world_size"),
     Case("buckets.compute_full_param_layout", "wrong value", lambda: buckets.compute_full_param_layout([_param(4, requires_grad=False)], 100, 2, _DDP), AssertionError, r"params\[0\]"),
     Case("buckets.compute_per_buffer_param_layout", "zero", lambda: buckets.compute_per_buffer_param_layout([_param(4)], 10, 0, _DDP), ValueError, "data_parallel_world_size"),
     Case("buckets.compute_per_buffer_param_layout", "negative", lambda: buckets.compute_per_buffer_param_layout([_param(4)], 10, -1, _DDP), ValueError, "data_parallel_world_size"),
@@ -491,6 +502,7 @@ CASES += [
     Case("trainfast buckets (CLI)", "malformed string", lambda: _cli("buckets", "--model", _file("spec.json", b"{not json")), ValueError, "spec.json"),
     Case("trainfast buckets (CLI)", "negative", lambda: _cli("buckets", "--layers", "-1"), ValueError, "layers"),
     Case("trainfast bpe train (CLI)", "wrong value", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "10", "--out", str(_dir() / "o")), ValueError, "vocab_size"),
+    Case("trainfast bpe train (CLI)", "wrong value", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "300", "--special-token", "a", "--out", str(_dir() / "o")), ValueError, "--special-token 'a' is one byte"),
     Case("trainfast bpe train (CLI)", "invalid UTF-8", lambda: _cli("bpe", "train", _file("c.txt", b"ok \xff"), "--vocab-size", "300", "--out", str(_dir() / "o"), "--no-progress"), ValueError, "byte offset 3"),
     Case("trainfast bpe train (CLI)", "malformed string", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "300", "--pattern", "(", "--out", str(_dir() / "o")), ValueError, "pattern"),
     Case("trainfast bpe train (CLI)", "zero", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "300", "--threads", "0", "--out", str(_dir() / "o")), ValueError, "threads"),
@@ -508,9 +520,9 @@ CASES += [
 
 CASES += [
     Case("buckets.compute_full_param_layout", "NaN/inf", lambda: buckets.compute_full_param_layout([_param(4)], 100, float("inf"), _DDP), TypeError, "data_parallel_world_size"),
-    Case("buckets.compute_per_buffer_param_layout", "NaN/inf", lambda: buckets.compute_per_buffer_param_layout([_param(4)], float("inf"), 2, _DDP), TypeError, "bucket_size"),
+    Case("buckets.compute_per_buffer_param_layout", "NaN/inf", lambda: buckets.compute_per_buffer_param_layout([_param(4)], float("nan"), 2, _DDP), ValueError, "bucket_size"),
     Case("buckets.compute_per_buffer_param_layout", "malformed string", lambda: buckets.compute_per_buffer_param_layout([_param(4)], 10, "2", _DDP), TypeError, "data_parallel_world_size"),
-    Case("buckets.compute_default_per_buffer_param_layout", "wrong dtype", lambda: buckets.compute_default_per_buffer_param_layout([_param(4)], 2.5), TypeError, "bucket_size"),
+    Case("buckets.compute_default_per_buffer_param_layout", "wrong dtype", lambda: buckets.compute_default_per_buffer_param_layout([_param(4)], "2.5"), TypeError, "bucket_size"),
     Case("buckets.default_bucket_size", "negative", lambda: buckets.default_bucket_size(-1), ValueError, "data_parallel_world_size"),
     Case("buckets.default_bucket_size", "NaN/inf", lambda: buckets.default_bucket_size(float("nan")), TypeError, "data_parallel_world_size"),
     Case("pipeline.to_layout_str", "wrong type", lambda: pipeline.to_layout_str("x", 2), TypeError, "plan"),
@@ -556,7 +568,7 @@ CASES += [
     Case("buckets.plan_layout", "int64 overflow", lambda: buckets.plan_layout([5], data_parallel_world_size=2**63), ValueError, "data_parallel_world_size"),
     Case("buckets.shard_ranges", "int64 overflow", lambda: buckets.shard_ranges(LAYOUT, 2**63), ValueError, "data_parallel_world_size"),
     Case("buckets.compute_full_param_layout", "int64 overflow", lambda: buckets.compute_full_param_layout([_param(4)], 100, 2**63, _DDP), ValueError, "data_parallel_world_size"),
-    Case("buckets.compute_full_param_layout", "int64 overflow", lambda: buckets.compute_full_param_layout([_param(4)], 100, 2, _DDP, 2**64), ValueError, "expert_data_parallel_world_size"),
+    Case("buckets.compute_full_param_layout", "int64 overflow", lambda: buckets.compute_full_param_layout([_expert_param(4)], 100, 2, _DDP, 2**64), ValueError, "expert_data_parallel_world_size"),
     Case("checkpoint.assign_bins", "int64 overflow", lambda: checkpoint.assign_bins([0], [1], 2**63), ValueError, "bins"),
     Case("checkpoint.split_by_size_and_type", "int64 overflow", lambda: checkpoint.split_by_size_and_type(2**63, [_Item(0)]), ValueError, "bins"),
     Case("trainfast buckets (CLI)", "int64 overflow", lambda: _cli("buckets", "--dp", str(2**63)), ValueError, "--dp"),
@@ -608,6 +620,13 @@ ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
     ("buckets.compute_default_per_buffer_param_layout", "negative",
      lambda: buckets.compute_default_per_buffer_param_layout([_param(4), _param(3)], -1).bucket_indices,
      lambda: buckets.compute_default_per_buffer_param_layout([_param(4), _param(3)], 1).bucket_indices),
+    # Megatron compares an int element count with bucket_size: a float acts as its ceiling, inf as None.
+    ("buckets.compute_default_per_buffer_param_layout", "wrong dtype",
+     lambda: buckets.compute_default_per_buffer_param_layout([_param(4), _param(3), _param(5)], 6.5).bucket_indices,
+     lambda: buckets.compute_default_per_buffer_param_layout([_param(4), _param(3), _param(5)], 7).bucket_indices),
+    ("buckets.plan_layout", "NaN/inf",
+     lambda: buckets.plan_layout([3, 5, 7], bucket_size=float("inf"), data_parallel_world_size=2).bucket_indices.tolist(),
+     lambda: buckets.plan_layout([3, 5, 7], bucket_size=None, data_parallel_world_size=2).bucket_indices.tolist()),
     ("buckets.plan_layout", "zero",
      lambda: buckets.plan_layout([3, 5, 0, 7], bucket_size=0, data_parallel_world_size=2).bucket_indices.tolist(),
      lambda: [[0, 128], [128, 128], [128, 256], [256, 384]]),  # params go in reverse; the empty one too
@@ -631,6 +650,10 @@ ACCEPTED += [
 ACCEPTED += [
     ("buckets.compute_full_param_layout", "empty",
      lambda: buckets.compute_full_param_layout([], 100, 2, _DDP).layouts, lambda: {}),
+    # Upstream reads the expert dp only for expert-parallel buffers.
+    ("buckets.compute_full_param_layout", "zero",
+     lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([_param(300)], 100, 2, _DDP, 0).layouts.values()],
+     lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([_param(300)], 100, 2, _DDP).layouts.values()]),
     ("buckets.compute_full_param_layout", "non-contiguous/strided tensor",
      lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(8, 8)[:, ::2])], 16, 2, _DDP).layouts.values()],
      lambda: [layout.bucket_indices for layout in buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(8, 4))], 16, 2, _DDP).layouts.values()]),

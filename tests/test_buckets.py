@@ -403,6 +403,18 @@ def test_range_builder_snapshot_follows_dict_changes(seed):
     check_all()
 
 
+def test_build_model_gbuf_range_refuses_a_rank_outside_the_group():
+    # torch gives rank -1 to a process outside the group; upstream's list index would hand it the
+    # last rank's shard.
+    layout = buckets.plan_layout([100, 28], data_parallel_world_size=2)
+    index_map = {object(): (0, 100, 0), object(): (100, 128, 0)}
+    buffer = RangeBuffer(index_map, layout.bucket_indices.tolist(), 2)
+    for rank in (-1, 2):
+        buffer.data_parallel_group = FakeGroup(2, rank)
+        with pytest.raises(ValueError, match=f"data-parallel rank {rank} .* not a member"):
+            buckets.build_model_gbuf_range(buffer, 0)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_megatron_range_builders_with_and_without_patch(megatron_cpu, seed):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -525,6 +537,7 @@ def test_summary_mentions_buckets_and_padding():
         (dict(numels=[1, 2], shared_embedding=[True]), "shared_embedding"),
         (dict(numels=[[1, 2]]), "numels"),
         (dict(numels=[2**62, 2**62]), "numels"),
+        (dict(numels=[1], bucket_size=float("nan")), "bucket_size"),
     ],
 )
 def test_plan_layout_bad_input(kwargs, name):
@@ -542,18 +555,61 @@ def test_bucket_size_zero_or_less_closes_a_bucket_per_param():
         assert [tuple(b) for b in layout.bucket_indices.tolist()] == expected
 
 
+def test_float_bucket_size_compares_as_megatron_does():
+    # Megatron's DDP config takes bucket_size=4e7 as well as 40_000_000; only `count >= bucket_size`
+    # reads it, so a float acts as its ceiling and inf as no limit.
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        numels = rng.integers(0, 50, int(rng.integers(1, 12))).tolist()
+        size = float(rng.choice([rng.uniform(-3, 120), float(rng.integers(0, 60)), np.inf, -np.inf]))
+        for distopt in (False, True):
+            layout = buckets.plan_layout(numels, bucket_size=size, data_parallel_world_size=2,
+                                         use_distributed_optimizer=distopt)
+            expected = ref.layout(numels, bucket_size=size, dp=2, distopt=distopt)[3]
+            assert [tuple(b) for b in layout.bucket_indices.tolist()] == expected, (numels, size, distopt)
+    assert buckets.plan_layout([3, 4], bucket_size=np.float32(3.5)).bucket_indices.tolist() == \
+        buckets.plan_layout([3, 4], bucket_size=4).bucket_indices.tolist()
+
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [
         (dict(numels=[1.5]), "numels"),
         (dict(numels="abc"), "numels"),
-        (dict(numels=[1], bucket_size=2.0), "bucket_size"),
+        (dict(numels=[1], bucket_size="2"), "bucket_size"),
         (dict(numels=[1], data_parallel_world_size="2"), "data_parallel_world_size"),
     ],
 )
 def test_plan_layout_bad_types(kwargs, name):
     with pytest.raises(TypeError, match=name):
         buckets.plan_layout(**kwargs)
+
+
+def test_a_layout_with_replaced_fields():
+    # ParamLayout is a mutable dataclass: fields may come back as other dtypes, views or NumPy.
+    import dataclasses
+
+    layout = buckets.plan_layout([5000, 5000, 5000], bucket_size=8000, data_parallel_world_size=2)
+    expected = buckets.shard_ranges(layout, 2)
+    for replaced in (dict(param_start=layout.param_start.int()),
+                     dict(param_start=torch.stack([layout.param_start] * 2, 1)[:, 0]),
+                     dict(param_start=layout.param_start.numpy(), bucket_indices=layout.bucket_indices.numpy())):
+        other = dataclasses.replace(layout, **replaced)
+        got = buckets.shard_ranges(other, 2)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert other.summary() == layout.summary()
+    with pytest.raises(ValueError, match="layout param 0 is inconsistent"):
+        buckets.materialize(dataclasses.replace(layout, numel=10))
+    with pytest.raises(ValueError, match="layout param 1 is inconsistent"):
+        dataclasses.replace(layout, bucket_id=torch.tensor([0, 5, 0])).summary()
+    with pytest.raises(TypeError, match="layout.bucket_id"):
+        buckets.shard_ranges(dataclasses.replace(layout, bucket_id=layout.bucket_id.float()), 2)
+    with pytest.raises(ValueError, match="device"):
+        buckets.materialize(layout, device="nope")
+    for bad, error in ((-1, ValueError), ("x", TypeError), (None, TypeError), (1.5, TypeError)):
+        with pytest.raises(error, match="max_buckets"):
+            layout.summary(max_buckets=bad)
+    assert layout.summary(max_buckets=0).splitlines()[-1] == "  ... 2 more buckets"
 
 
 def test_shard_ranges_bad_input():
@@ -596,8 +652,10 @@ def test_dropin_bad_input():
         buckets.compute_default_per_buffer_param_layout([object()], None)
     with pytest.raises(AssertionError):
         buckets.group_params_for_buffers([torch.zeros(3)], False)
+    expert = torch.nn.Parameter(torch.zeros(3))
+    expert.allreduce = False
     with pytest.raises(ValueError, match="expert_data_parallel_world_size"):
-        buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(3))], None, 2, config, 0)
+        buckets.compute_full_param_layout([torch.nn.Parameter(torch.zeros(3)), expert], None, 2, config, 0)
     with pytest.raises(ValueError, match="shapes"):
         buckets.materialize(buckets.plan_layout([4]), [(3,)])
     assert isinstance(UpstreamAssertionError("x"), ValueError)

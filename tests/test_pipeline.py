@@ -437,6 +437,10 @@ def test_paddle_matches_oracle(pp, vpp, data):
 
 
 def check_balanced(costs, pp, vpp, embedding, loss):
+    if pp == 1 and vpp > 1:  # Megatron would number both virtual stages' layers from 0
+        with pytest.raises(ValueError, match="needs pp > 1 when vpp > 1"):
+            tp.balanced_layout(costs, pp, vpp, embedding_cost=embedding, loss_cost=loss)
+        return None
     result = tp.balanced_layout(costs, pp, vpp, embedding_cost=embedding, loss_cost=loss)
     plan, layout_str = result
     assert_tiles(plan, len(costs), pp, vpp)
@@ -460,6 +464,8 @@ def test_balanced_layout_is_optimal_brute_force(pp, vpp, data):
     costs = data.draw(st.lists(cost_values, min_size=num_chunks, max_size=min(num_chunks + 5, 9)))
     embedding, loss = data.draw(cost_values), data.draw(cost_values)
     result = check_balanced(costs, pp, vpp, embedding, loss)
+    if result is None:
+        return
     assert result.max_chunk_cost == ref.brute_force_min_max(costs, num_chunks, embedding, loss)
     best_stage = ref.brute_force_best_stage(costs, pp, vpp, embedding, loss, result.max_chunk_cost)
     assert best_stage <= result.max_stage_cost
@@ -473,7 +479,8 @@ def test_balanced_layout_is_optimal_dp(seed):
     costs = [rng.choice([rng.uniform(0, 3), float(rng.randint(0, 4)), rng.uniform(0, 1) * 1e-12]) for _ in range(n)]
     embedding, loss = rng.uniform(0, 5), rng.uniform(0, 5)
     result = check_balanced(costs, pp, vpp, embedding, loss)
-    assert result.max_chunk_cost == ref.dp_min_max(costs, pp * vpp, embedding, loss)
+    if result is not None:
+        assert result.max_chunk_cost == ref.dp_min_max(costs, pp * vpp, embedding, loss)
 
 
 def test_balanced_layout_large_and_tie_break():
@@ -491,6 +498,14 @@ def test_balanced_layout_torch_input():
     torch = pytest.importorskip("torch")
     result = tp.balanced_layout(torch.tensor([1.0, 1.0, 1.0, 5.0], dtype=torch.float32), 2, 1)
     assert result.layout_str == "Et*3|tL" and result.max_chunk_cost == 5.0 and result.stage_costs.tolist() == [3.0, 5.0]
+    # bfloat16 (no NumPy dtype) widens exactly; sparse tensors are refused by name
+    result = tp.balanced_layout(torch.tensor([1.0, 1.0, 1.0, 5.0], dtype=torch.bfloat16), 2, 1)
+    assert result.layout_str == "Et*3|tL" and result.stage_costs.tolist() == [3.0, 5.0]
+    assert tp.chunk_costs(result.plan, torch.ones(4, dtype=torch.bfloat16), 2) == ([3.0, 1.0], [3.0, 1.0])
+    with pytest.raises(TypeError, match="layer_costs must be a dense tensor"):
+        tp.balanced_layout(torch.ones(4).to_sparse(), 2, 1)
+    with pytest.raises(TypeError, match="stage_ids must have an int dtype"):
+        tp.plan_layers(4, 2, 1, method="paddle", stage_ids=torch.zeros(4, dtype=torch.bfloat16))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -541,6 +556,10 @@ def test_balanced_layout_torch_input():
         (lambda: tp.balanced_layout([1.0] * 4, 2, 2, embedding_cost=float("nan")), ValueError, "embedding_cost"),
         (lambda: tp.balanced_layout([1.0] * 4, 2, 2, loss_cost=-2), ValueError, "loss_cost"),
         (lambda: tp.balanced_layout(["a"], 1, 1), TypeError, "layer_costs"),
+        (lambda: tp.balanced_layout([1.0] * 8, 1, 2), ValueError, "needs pp > 1 when vpp > 1"),
+        (lambda: tp.to_layout_str(tp.plan_layers(8, 1, 2, method="uneven"), 1, 2), ValueError,
+         "needs pp > 1 when vpp > 1"),
+        (lambda: tp.balanced_layout([[1.0, 2.0], [3.0]], 2, 1), ValueError, "layer_costs must be a rectangular"),
         (lambda: tp.to_layout_str({(0, 0): range(0, 2), (1, 0): range(3, 4)}, 2, 1), ValueError,
          r"layers 2-2 would be lost"),
         (lambda: tp.to_layout_str({(0, 0): range(0, 2)}, 2, 1), ValueError, r"missing \[\(1, 0\)\]"),

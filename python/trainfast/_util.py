@@ -28,6 +28,7 @@ _KINDS = {
     "bool": ("b", "i", "u"),
     "float": ("f", "i", "u"),
 }
+_ARTICLE = {"int": "an", "bool": "a", "float": "a"}
 
 
 class UpstreamAssertionError(ValueError, AssertionError):
@@ -79,9 +80,13 @@ def resolve_num_threads(num_threads: int | None) -> int:
 
 
 def check_has_data(tensor: Any, name: str) -> None:
-    """ValueError for a tensor on the meta device, which has a shape but no values to plan with."""
+    """ValueError for a tensor on the meta device, which has a shape but no values to plan with;
+    TypeError for a sparse (or other non-strided) tensor, which has no dense values to read."""
     if tensor.device.type == "meta":
         raise ValueError(f"{name} is on the meta device, which holds no data (got shape {tuple(tensor.shape)})")
+    layout = getattr(tensor, "layout", None)
+    if layout is not None and str(layout) != "torch.strided":
+        raise TypeError(f"{name} must be a dense tensor (got layout {layout}); call .to_dense() first")
 
 
 def as_array(
@@ -106,17 +111,28 @@ def as_array(
             value = value.cpu()
         if value.is_conj():
             value = value.resolve_conj()
-        value = value.contiguous().numpy()
+        if value.is_floating_point() and value.element_size() < 4:
+            # NumPy has no bfloat16 (nor float8); widening to float32 is exact.
+            if kind != "float":
+                raise TypeError(f"{name} must have {_ARTICLE[kind]} {kind} dtype (got {value.dtype})")
+            value = value.float()
+        try:
+            value = value.contiguous().numpy()
+        except TypeError as error:  # a dtype NumPy lacks
+            raise TypeError(f"{name} must have {_ARTICLE[kind]} {kind} dtype (got {value.dtype})") from error
     elif not isinstance(value, np.ndarray):
         if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, range)):
             raise TypeError(
                 f"{name} must be a torch tensor, NumPy array or sequence (got {type(value).__name__})"
             )
-        value = np.asarray(value)
+        try:
+            value = np.asarray(value)
+        except (ValueError, TypeError) as error:  # ragged nesting, mixed objects
+            raise ValueError(f"{name} must be a rectangular sequence of numbers ({error})") from None
         if value.size == 0:
             value = value.astype(dtype)
     if value.dtype.kind not in _KINDS[kind]:
-        raise TypeError(f"{name} must have a {kind} dtype (got {value.dtype})")
+        raise TypeError(f"{name} must have {_ARTICLE[kind]} {kind} dtype (got {value.dtype})")
     if ndim is not None and value.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D (got shape {tuple(value.shape)})")
     target = np.dtype(dtype)

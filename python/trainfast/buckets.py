@@ -121,6 +121,14 @@ def default_bucket_size(data_parallel_world_size: int) -> int:
 def _check_bucket_size(bucket_size: Any) -> int | None:
     if bucket_size is None:
         return None
+    if isinstance(bucket_size, (float, np.floating)):
+        # Megatron only compares an int element count with it (``>= bucket_size``), so a float such
+        # as 4e7 acts as its ceiling, and inf as no limit.
+        if math.isnan(bucket_size):
+            raise ValueError("bucket_size must be a number of elements or None (got nan)")
+        if math.isinf(bucket_size):
+            return None if bucket_size > 0 else 0
+        bucket_size = math.ceil(bucket_size)
     bucket_size = check_int(bucket_size, "bucket_size")
     # A buffer holds under 2^63 elements, so such a size never closes a bucket: exactly None. A size
     # <= 0 closes one after every param, as Megatron does (its resolve_ddp_bucket_size can give 0).
@@ -155,6 +163,30 @@ class ParamLayout:
     def num_params(self) -> int:
         return int(self.param_start.shape[0])
 
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(param_start, param_end, bucket_id, bucket_indices) as C-contiguous int64 NumPy (no copy
+        for plan_layout's own tensors; the dataclass is mutable, so fields may have been replaced)."""
+        return (as_array(self.param_start, "layout.param_start", np.int64, kind="int"),
+                as_array(self.param_end, "layout.param_end", np.int64, kind="int"),
+                as_array(self.bucket_id, "layout.bucket_id", np.int64, kind="int"),
+                as_array(self.bucket_indices, "layout.bucket_indices", np.int64, kind="int", ndim=2))
+
+    def _checked_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_arrays`, after checking they still describe one buffer of ``numel`` elements."""
+        starts, ends, ids, indices = self._arrays()
+        numel = check_int(self.numel, "layout.numel", min_value=0, max_value=INT64_MAX)
+        if not starts.shape == ends.shape == ids.shape:
+            raise ValueError(f"layout.param_start, param_end and bucket_id must have one entry per param (got "
+                             f"{starts.shape[0]}, {ends.shape[0]} and {ids.shape[0]})")
+        if indices.shape[1] != 2:
+            raise ValueError(f"layout.bucket_indices must be [num_buckets, 2] (got shape {tuple(indices.shape)})")
+        bad = np.flatnonzero((starts < 0) | (ends < starts) | (ends > numel) | (ids < 0) | (ids >= indices.shape[0]))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"layout param {i} is inconsistent: [{starts[i]}, {ends[i]}) in bucket {ids[i]}, "
+                             f"with {indices.shape[0]} buckets and numel={numel}")
+        return starts, ends, ids, indices
+
     @property
     def num_buckets(self) -> int:
         return int(self.bucket_indices.shape[0])
@@ -167,10 +199,12 @@ class ParamLayout:
         """
         param_bytes = check_int(param_bytes, "param_bytes", min_value=0)
         grad_bytes = check_int(grad_bytes, "grad_bytes", min_value=0)
+        max_buckets = check_int(max_buckets, "max_buckets", min_value=0)
+        starts, ends, ids, indices = self._checked_arrays()
         dp = self.data_parallel_world_size
-        param_numel = int((self.param_end - self.param_start).sum()) if self.num_params else 0
+        param_numel = int((ends - starts).sum())
         padding = self.numel - param_numel
-        sizes = (self.bucket_indices[:, 1] - self.bucket_indices[:, 0]) if self.num_buckets else None
+        sizes = (indices[:, 1] - indices[:, 0]) if indices.shape[0] else None
         lines = [
             f"{self.num_params:,} params in {self.num_buckets:,} buckets "
             f"({'distributed optimizer' if self.use_distributed_optimizer else 'default DDP'} layout, "
@@ -182,7 +216,7 @@ class ParamLayout:
         if sizes is not None:
             lines.append(
                 f"bucket sizes: min {_fmt_count(int(sizes.min()))}, max {_fmt_count(int(sizes.max()))}, "
-                f"mean {_fmt_count(int(sizes.double().mean()))} elements"
+                f"mean {_fmt_count(int(sizes.astype(np.float64).mean()))} elements"
             )
         if self.use_distributed_optimizer:
             shard = self.numel // dp
@@ -193,20 +227,20 @@ class ParamLayout:
             )
         else:
             lines.append(f"buffers per rank: {_fmt_bytes(self.numel * (grad_bytes + param_bytes))} (not sharded)")
-        shown = min(self.num_buckets, max_buckets)
+        num_buckets = indices.shape[0]
+        shown = min(num_buckets, max_buckets)
         if shown:
-            import torch
-
-            counts = torch.bincount(self.bucket_id, minlength=self.num_buckets).tolist()
-            in_params = torch.zeros(self.num_buckets, dtype=torch.int64).index_add_(
-                0, self.bucket_id, self.param_end - self.param_start).tolist()
+            counts = np.bincount(ids, minlength=num_buckets).tolist()
+            in_params = np.zeros(num_buckets, dtype=np.int64)
+            np.add.at(in_params, ids, ends - starts)
+            in_params = in_params.tolist()
         for b in range(shown):
-            start, end = (int(x) for x in self.bucket_indices[b])
+            start, end = (int(x) for x in indices[b])
             lines.append(
                 f"  bucket {b}: [{start:,}, {end:,}) {counts[b]} params, {end - start - in_params[b]:,} padding"
             )
-        if self.num_buckets > max_buckets:
-            lines.append(f"  ... {self.num_buckets - max_buckets:,} more buckets")
+        if num_buckets > max_buckets:
+            lines.append(f"  ... {num_buckets - max_buckets:,} more buckets")
         return "\n".join(lines)
 
 
@@ -238,7 +272,8 @@ def plan_layout(
         shared_embedding: bool `[num_params]` or None; marked params get a bucket of their own
             (distributed optimizer only, as upstream).
         bucket_size: close a bucket once it holds >= this many elements (0 or less: after every
-            param, as Megatron); None means one bucket.
+            param, as Megatron); None means one bucket. A float (e.g. ``4e7``) is compared as
+            Megatron compares it: as its ceiling, ``inf`` as None.
         data_parallel_world_size: dp, > 0 (bucket ends pad to a multiple of lcm(dp, 128)).
         use_distributed_optimizer: False gives DDP's default layout (no padding, no shared rule).
         pad_buckets_for_high_nccl_busbw: pad bucket ends to lcm(dp, 128, 2**16).
@@ -319,10 +354,7 @@ def shard_ranges(
         rank_begin, rank_end = rank, rank + 1
     threads = resolve_num_threads(num_threads)
     # Megatron's layouts run in reverse model order: the core reads the arrays backwards.
-    arrays = _core.buckets_shard_ranges(
-        layout.param_start.numpy(), layout.param_end.numpy(), layout.bucket_id.numpy(),
-        layout.bucket_indices.numpy(), dp, rank_begin, rank_end, True, threads,
-    )
+    arrays = _core.buckets_shard_ranges(*layout._arrays(), dp, rank_begin, rank_end, True, threads)
     return ShardRangeTable(*(to_tensor(a) for a in arrays))
 
 
@@ -655,11 +687,13 @@ def compute_full_param_layout(
     """``DistributedOptimizer.compute_full_param_layout``: groups params into buffers and lays each out;
     expert-parallel buffers use ``expert_data_parallel_world_size`` (default: the dense dp)."""
     dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1, max_value=INT64_MAX)
-    expert_dp = dp if expert_data_parallel_world_size is None else check_int(
-        expert_data_parallel_world_size, "expert_data_parallel_world_size", min_value=1, max_value=INT64_MAX
-    )
     bucket_size = _check_bucket_size(bucket_size)
     grouped = _group_params(_param_list(params), bool(getattr(ddp_config, "grad_reduce_in_fp32", False)), True)
+    expert_dp = dp
+    # Checked only when an expert-parallel buffer uses it: upstream never reads it otherwise.
+    if expert_data_parallel_world_size is not None and any(key.is_expert_parallel for key in grouped):
+        expert_dp = check_int(expert_data_parallel_world_size, "expert_data_parallel_world_size",
+                              min_value=1, max_value=INT64_MAX)
     layouts = {}
     for key, (buffer_params, indices, numels, shared) in grouped.items():
         world = expert_dp if key.is_expert_parallel else dp
@@ -778,7 +812,9 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
             f"group has {world} ranks"
         )
     if not 0 <= rank < world:
-        raise IndexError(f"data-parallel rank {rank} is outside a group of size {world}")
+        # Upstream indexes a list with it: -1 (torch's "not a member") would give the last rank's shard.
+        raise ValueError(f"data-parallel rank {rank} (data_parallel_group.rank()) is outside a group of size "
+                         f"{world}: this process is not a member of the group")
     bucket = param_and_grad_buffer.buckets[bucket_index]
     size = bucket.grad_data.numel()
     if size % world != 0:
@@ -905,8 +941,13 @@ def materialize(
     for name, dtype in (("param_dtype", param_dtype), ("grad_dtype", grad_dtype)):
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"{name} must be a torch.dtype (got {dtype!r})")
+    param_start, param_end, _, _ = layout._checked_arrays()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must name a torch device (got {device!r}: {error})") from None
     n = layout.num_params
-    numels = (layout.param_end - layout.param_start).tolist()
+    numels = (param_end - param_start).tolist()
     params = None
     if shapes is None:
         shape_list = [(k,) for k in numels]
@@ -929,10 +970,9 @@ def materialize(
                 raise ValueError(f"shapes[{i}] has {math.prod(shape)} elements but the layout holds {numel}")
     if bind_main_grad and params is None:
         raise ValueError("bind_main_grad needs the params themselves as shapes")
-    device = torch.device(device)
     param_data = torch.zeros(layout.numel, dtype=param_dtype, device=device) if param_dtype is not None else None
     grad_data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
-    starts = layout.param_start.tolist()
+    starts = param_start.tolist()
     param_views, grad_views = [], []
     for i in range(n):
         start, end = starts[i], starts[i] + numels[i]

@@ -15,7 +15,7 @@ rank writes (``sizing="chunk"``), torch counts the whole global tensor (``sizing
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any, Literal, NamedTuple
 
 from trainfast import _core
@@ -74,7 +74,8 @@ def _byte_io_type() -> Any:
 def _check_items(items: Any) -> list:
     if isinstance(items, list):
         return items
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+    # Upstream iterates once, so a tuple, dict values or a generator work there too.
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
         raise TypeError(f"items must be a list of WriteItem (got {type(items).__name__})")
     return list(items)
 
@@ -110,11 +111,11 @@ def split_by_size_and_type(
     threads = resolve_num_threads(num_threads)
     if bins == 1:  # upstream returns before it looks at any item
         return [items]
-    if bins < 1 and isinstance(items, list) and not items:
+    item_list = _check_items(items)
+    if bins < 1 and not item_list:
         return []  # upstream: no bins and nothing to put in them (a rank with an empty plan)
     if bins < 1:
         raise ValueError(f"bins must be >= 1 (got {bins})")
-    item_list = _check_items(items)
     return _core.checkpoint_split_write_items(
         item_list, bins, _byte_io_type(), _element_sizes(), sizing == "global", balance == "refined", threads
     )

@@ -571,11 +571,23 @@ def _plan_counts(plan: Any, pp: int, vpp: int) -> np.ndarray:
     return counts
 
 
+def _check_layout_sizes(pp: int, vpp: int) -> None:
+    """Megatron numbers every virtual stage's layers from 0 when pp == 1 (its layer offset is 0),
+    so a layout string with several virtual stages on one pipeline rank would build layers twice."""
+    if pp == 1 and vpp > 1:
+        raise ValueError(
+            f"a layout string needs pp > 1 when vpp > 1 (got pp=1, vpp={vpp}): with "
+            "pipeline_model_parallel_size=1 Megatron numbers every virtual stage's layers from 0"
+        )
+
+
 def to_layout_str(plan: Any, pp: int, vpp: int | None = None) -> str:
     """The Megatron ``--pipeline-model-parallel-layout`` string of a plan (E on the first chunk, L
-    on the last), e.g. ``'Ett|tt|tt|tL'``."""
+    on the last), e.g. ``'Ett|tt|tt|tL'``. ValueError for ``pp == 1`` with ``vpp > 1``, which Megatron
+    would number as layers 0.. on every virtual stage."""
     pp = _check_int(pp, "pp", min_value=1)
     vpp = _check_int(1 if vpp is None else vpp, "vpp", min_value=1)
+    _check_layout_sizes(pp, vpp)
     counts = _plan_counts(plan, pp, vpp)
     return _core.pipeline_plan_to_layout_str(counts, pp, vpp)
 
@@ -643,7 +655,8 @@ def balanced_layout(
 
     Args:
         layer_costs: float `[num_layers]` (tensor, array or sequence), finite and >= 0.
-        pp, vpp: pipeline and virtual pipeline sizes; ``num_layers >= pp * vpp``.
+        pp, vpp: pipeline and virtual pipeline sizes; ``num_layers >= pp * vpp``; ``pp > 1`` when
+            ``vpp > 1`` (Megatron's layer numbering).
 
     Returns:
         :class:`BalancedLayout`, unpackable as ``plan, layout_str``; pass ``layout_str`` to Megatron's
@@ -651,6 +664,7 @@ def balanced_layout(
     """
     pp = _check_int(pp, "pp", min_value=1)
     vpp = _check_int(vpp, "vpp", min_value=1)
+    _check_layout_sizes(pp, vpp)
     costs = as_array(layer_costs, "layer_costs", np.float64, kind="float")
     embedding_cost = _check_cost(embedding_cost, "embedding_cost")
     loss_cost = _check_cost(loss_cost, "loss_cost")
