@@ -353,6 +353,21 @@ def test_invalid_utf8_names_offset(tmp_path):
         count_pretokens([b"ok", b"ab\x80"])
 
 
+@pytest.mark.parametrize("pattern", ["gpt2", r"\w+|\W+"])
+def test_decode_errors_name_the_input_on_both_paths(tmp_path, pattern):
+    # A custom pattern runs the Python fallback: its errors name the input and the offset in it too.
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text("hello")
+    bad.write_bytes(b"ab\xffab")
+    with pytest.raises(ValueError, match=r"bad\.txt: invalid UTF-8 at byte offset 2: .* byte 0xff"):
+        count_pretokens([good, bad], pattern=pattern)
+    with pytest.raises(ValueError, match=r"inputs\[2\]: invalid UTF-8 at byte offset 1"):
+        count_pretokens(iter([b"ok", b"fine", b"x\xff"]), pattern=pattern)
+    with pytest.raises(ValueError, match=r"inputs\[1\] contains a lone surrogate \(at index 8\)"):
+        count_pretokens(iter(["ok", "abc def \ud800"]), pattern=pattern)
+    assert count_pretokens([bad], pattern=pattern, errors="ignore") == count_pretokens([b"abab"], pattern=pattern)
+
+
 def _utf8_truth(data: bytes) -> tuple:
     try:
         data.decode("utf-8")

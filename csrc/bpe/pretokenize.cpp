@@ -1288,6 +1288,9 @@ struct PretokenCounter::Impl {
     size_t q = p - 1;
     while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) --q;
     if (s[q] >= 0x80 && !is_clean_utf8(s + q, p - q)) return false;
+    // The pattern's rule first: it is cheap, and it fails all through text with no safe cut, where
+    // checking a long special token's window at every byte took seconds per MB.
+    if (!is_safe_cut(options.pattern, s, p, n)) return false;
     if (!specials.empty()) {
       const size_t reach = specials.max_length();
       size_t lo = p > reach ? p - reach : 0;
@@ -1296,7 +1299,7 @@ struct PretokenCounter::Impl {
       while (hi < n && (s[hi] & 0xC0) == 0x80) ++hi;
       if (!is_clean_utf8(s + lo, hi - lo)) return false;
     }
-    return safe_split(s, p, n);
+    return !specials.straddles(std::string_view(reinterpret_cast<const char*>(s), n), p);
   }
 
   // Decodes and counts one block of raw file bytes that starts and ends at raw-safe cuts.

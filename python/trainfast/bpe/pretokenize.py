@@ -322,19 +322,42 @@ def count_pretokens(
         progress.close()
 
 
-def _count_text(counts: Counter, text: str, compiled: Any, tokens: Sequence[str]) -> None:
+def _count_text(counts: Counter, text: str, compiled: Any, tokens: Sequence[str], name: str) -> None:
     parts = _special_splitter(tokens).split(text) if tokens else [text]
-    for idx, part in enumerate(parts):
-        if idx % 2 == 0:  # odd parts are the special tokens: not counted
-            counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
+    try:
+        for idx, part in enumerate(parts):
+            if idx % 2 == 0:  # odd parts are the special tokens: not counted
+                counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
+    except UnicodeEncodeError:
+        # The error's position is within one pre-token: report the document's, as the native path does.
+        surrogate_idx = _SURROGATE.search(text).start()
+        raise ValueError(f"{name} contains a lone surrogate (at index {surrogate_idx}), which has no UTF-8 "
+                         "encoding") from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _decode(raw: bytes, errors: str, name: str) -> str:
+    """Python text mode's decoding (universal newlines), with the native path's error message."""
+    try:
+        text = raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{name}: invalid UTF-8 at byte offset {error.start}: 'utf-8' codec can't decode byte "
+            f"0x{raw[error.start]:02x}: {error.reason} (pass errors='replace' or errors='ignore' to decode anyway)"
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _fallback_count_files(paths, compiled, tokens, errors, progress) -> dict[bytes, int]:
     counts: Counter = Counter()
     for path in paths:
-        with open(path, encoding="utf-8", errors=errors, newline=None) as handle:
-            _count_text(counts, handle.read(), compiled, tokens)
-        progress.finish_input(os.path.getsize(path))
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        name = os.fsdecode(path)
+        _count_text(counts, _decode(raw, errors, name), compiled, tokens, name)
+        progress.finish_input(os.path.getsize(path) if os.path.isfile(path) else 0)
     return dict(counts)
 
 
@@ -342,11 +365,11 @@ def _fallback_count_documents(inputs, compiled, tokens, errors, progress) -> dic
     counts: Counter = Counter()
     for idx, doc in enumerate(inputs):
         if isinstance(doc, bytes):
-            text = doc.decode("utf-8", errors=errors).replace("\r\n", "\n").replace("\r", "\n")
+            text = _decode(doc, errors, f"inputs[{idx}]")
         elif isinstance(doc, str):
             text = doc
         else:
             raise TypeError(f"inputs[{idx}] must be str or bytes (got {type(doc).__name__})")
-        _count_text(counts, text, compiled, tokens)
+        _count_text(counts, text, compiled, tokens, f"inputs[{idx}]")
         progress.finish_input(len(text.encode("utf-8", "surrogatepass")))  # as the native counter reports
     return dict(counts)

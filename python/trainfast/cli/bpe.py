@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _train_command(args: argparse.Namespace) -> int:
     from trainfast.bpe import save, train_bpe
 
+    for token in args.special_tokens:
+        # Before training, not at the save after it: vocab.json maps each token to one id.
+        if len(token.encode("utf-8", "surrogatepass")) == 1:
+            raise ValueError(f"--special-token {token!r} is one byte, already token {ord(token)} of the byte "
+                             "vocabulary: vocab.json cannot hold it under two ids")
     start = time.perf_counter()
     # --pattern defaults to None so that --from-counts can tell an explicit gpt2 from none given.
     pattern = "gpt2" if args.pattern is None else args.pattern
