@@ -353,7 +353,7 @@ def test_invalid_utf8_names_offset(tmp_path):
         count_pretokens([b"ok", b"ab\x80"])
 
 
-@pytest.mark.parametrize("pattern", ["gpt2", r"\w+|\W+"])
+@pytest.mark.parametrize("pattern", ["gpt2", r"\w+|\W+", r"\w+"])
 def test_decode_errors_name_the_input_on_both_paths(tmp_path, pattern):
     # A custom pattern runs the Python fallback: its errors name the input and the offset in it too.
     good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"

@@ -409,9 +409,9 @@ def test_build_model_gbuf_range_refuses_a_rank_outside_the_group():
     layout = buckets.plan_layout([100, 28], data_parallel_world_size=2)
     index_map = {object(): (0, 100, 0), object(): (100, 128, 0)}
     buffer = RangeBuffer(index_map, layout.bucket_indices.tolist(), 2)
-    for rank in (-1, 2):
+    for rank, match in ((-1, "not a member of the group of size 2"), (2, r"not below the group's size\(\) 2")):
         buffer.data_parallel_group = FakeGroup(2, rank)
-        with pytest.raises(ValueError, match=f"data-parallel rank {rank} .* not a member"):
+        with pytest.raises(ValueError, match=rf"data-parallel rank {rank} .*{match}"):
             buckets.build_model_gbuf_range(buffer, 0)
 
 
@@ -567,8 +567,11 @@ def test_float_bucket_size_compares_as_megatron_does():
                                          use_distributed_optimizer=distopt)
             expected = ref.layout(numels, bucket_size=size, dp=2, distopt=distopt)[3]
             assert [tuple(b) for b in layout.bucket_indices.tolist()] == expected, (numels, size, distopt)
-    assert buckets.plan_layout([3, 4], bucket_size=np.float32(3.5)).bucket_indices.tolist() == \
+    assert buckets.plan_layout([3, 4], bucket_size=np.float64(3.5)).bucket_indices.tolist() == \
         buckets.plan_layout([3, 4], bucket_size=4).bucket_indices.tolist()
+    # A narrower float compares in its own precision (39999998 >= float32(4e7)): refused.
+    with pytest.raises(TypeError, match="bucket_size"):
+        buckets.plan_layout([3, 4], bucket_size=np.float32(4e7))
 
 
 @pytest.mark.parametrize(
@@ -606,6 +609,10 @@ def test_a_layout_with_replaced_fields():
         buckets.shard_ranges(dataclasses.replace(layout, bucket_id=layout.bucket_id.float()), 2)
     with pytest.raises(ValueError, match="device"):
         buckets.materialize(layout, device="nope")
+    with pytest.raises(TypeError, match="device"):
+        buckets.materialize(layout, device=1.5)
+    listed = dataclasses.replace(layout, param_start=layout.param_start.tolist(), bucket_indices=layout.bucket_indices.tolist())
+    assert listed.summary() == layout.summary() and listed.num_params == 3 and listed.num_buckets == 2
     for bad, error in ((-1, ValueError), ("x", TypeError), (None, TypeError), (1.5, TypeError)):
         with pytest.raises(error, match="max_buckets"):
             layout.summary(max_buckets=bad)

@@ -88,10 +88,12 @@ def test_empty_plan():
     assert checkpoint.split_by_size_and_type(-2, []) == torch_split(-2, []) == []
     assert checkpoint.split_by_size_and_type(0, ()) == torch_split(0, ()) == []
     assert checkpoint.split_by_size_and_type(0, iter([])) == []
+    plan = checkpoint.assign_bins([], [], 3)
+    assert plan.bin_offsets.tolist() == [0, 0, 0, 0] and plan.bin_bytes.tolist() == [0, 0, 0]
 
 
 def test_items_may_be_any_iterable(issue_items):
-    # Upstream iterates the items once: a tuple, dict values or a generator work there as a list does.
+    # Megatron iterates the items once: a tuple, dict values or a generator work there as a list does.
     expected = checkpoint.split_by_size_and_type(3, issue_items)
     by_name = {f"item{k}": item for k, item in enumerate(issue_items)}
     for items in (tuple(issue_items), by_name.values(), (item for item in issue_items)):
@@ -99,8 +101,6 @@ def test_items_may_be_any_iterable(issue_items):
         assert [[id(x) for x in group] for group in got] == [[id(x) for x in group] for group in expected]
     with pytest.raises(TypeError, match="items must be a list"):
         checkpoint.split_by_size_and_type(3, 5)
-    plan = checkpoint.assign_bins([], [], 3)
-    assert plan.bin_offsets.tolist() == [0, 0, 0, 0] and plan.bin_bytes.tolist() == [0, 0, 0]
 
 
 # --- differential: native == oracle == upstream -----------------------------------------------------

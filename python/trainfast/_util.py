@@ -101,6 +101,8 @@ def as_array(
     NumPy array of ``dtype``, without copying when it already is one.
 
     ``kind`` ("int", "bool" or "float") says which source dtypes are accepted; others raise TypeError.
+    Half-precision torch floats (bfloat16 has no NumPy dtype) widen to float32, exactly; sparse
+    tensors raise TypeError, ragged sequences ValueError.
     """
     import numpy as np  # here, not at import: trainfast.bpe does not need NumPy (~16 MB of RSS)
 
@@ -127,7 +129,7 @@ def as_array(
             )
         try:
             value = np.asarray(value)
-        except (ValueError, TypeError) as error:  # ragged nesting, mixed objects
+        except ValueError as error:  # ragged nesting
             raise ValueError(f"{name} must be a rectangular sequence of numbers ({error})") from None
         if value.size == 0:
             value = value.astype(dtype)

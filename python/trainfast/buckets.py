@@ -121,9 +121,12 @@ def default_bucket_size(data_parallel_world_size: int) -> int:
 def _check_bucket_size(bucket_size: Any) -> int | None:
     if bucket_size is None:
         return None
-    if isinstance(bucket_size, (float, np.floating)):
-        # Megatron only compares an int element count with it (``>= bucket_size``), so a float such
-        # as 4e7 acts as its ceiling, and inf as no limit.
+    if isinstance(bucket_size, np.floating) and not isinstance(bucket_size, float):
+        # A narrower float compares in its own precision (39999998 >= float32(4e7)), per NumPy version.
+        raise TypeError(f"bucket_size must be an int, a Python float or None (got {type(bucket_size).__name__})")
+    if isinstance(bucket_size, float):  # np.float64 too
+        # Megatron only compares an int element count with it (``>= bucket_size``), exactly for a
+        # double: 4e7 acts as its ceiling, and inf as no limit.
         if math.isnan(bucket_size):
             raise ValueError("bucket_size must be a number of elements or None (got nan)")
         if math.isinf(bucket_size):
@@ -161,11 +164,12 @@ class ParamLayout:
 
     @property
     def num_params(self) -> int:
-        return int(self.param_start.shape[0])
+        return len(self.param_start)
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(param_start, param_end, bucket_id, bucket_indices) as C-contiguous int64 NumPy (no copy
-        for plan_layout's own tensors; the dataclass is mutable, so fields may have been replaced)."""
+        """(param_start, param_end, bucket_id ``[num_params]``, bucket_indices ``[num_buckets, 2]``) as
+        C-contiguous int64 NumPy (no copy for plan_layout's own tensors; the dataclass is mutable,
+        so fields may have been replaced)."""
         return (as_array(self.param_start, "layout.param_start", np.int64, kind="int"),
                 as_array(self.param_end, "layout.param_end", np.int64, kind="int"),
                 as_array(self.bucket_id, "layout.bucket_id", np.int64, kind="int"),
@@ -189,13 +193,13 @@ class ParamLayout:
 
     @property
     def num_buckets(self) -> int:
-        return int(self.bucket_indices.shape[0])
+        return len(self.bucket_indices)
 
     def summary(self, *, param_bytes: int = 2, grad_bytes: int = 4, max_buckets: int = 8) -> str:
         """A planning report: buckets, padding waste and per-rank shard bytes.
 
         ``param_bytes``/``grad_bytes``: element sizes of the param and grad buffers (bf16 params,
-        fp32 grads by default).
+        fp32 grads by default); ``max_buckets``: buckets listed one per line (>= 0).
         """
         param_bytes = check_int(param_bytes, "param_bytes", min_value=0)
         grad_bytes = check_int(grad_bytes, "grad_bytes", min_value=0)
@@ -811,10 +815,13 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
             f"Parameter layout was built for {shards} optimizer shards but the buffer's data-parallel "
             f"group has {world} ranks"
         )
-    if not 0 <= rank < world:
+    if rank < 0:
         # Upstream indexes a list with it: -1 (torch's "not a member") would give the last rank's shard.
-        raise ValueError(f"data-parallel rank {rank} (data_parallel_group.rank()) is outside a group of size "
-                         f"{world}: this process is not a member of the group")
+        raise ValueError(f"data-parallel rank {rank} (data_parallel_group.rank()): this process is not a "
+                         f"member of the group of size {world}")
+    if rank >= world:
+        raise ValueError(f"data-parallel rank {rank} (data_parallel_group.rank()) is not below the group's "
+                         f"size() {world}")
     bucket = param_and_grad_buffer.buckets[bucket_index]
     size = bucket.grad_data.numel()
     if size % world != 0:
@@ -930,7 +937,7 @@ def materialize(
         param_dtype: dtype of the param buffer; None for no param buffer (DDP without distributed
             optimizer keeps params where they are).
         grad_dtype: dtype of the grad buffer (default torch.float32).
-        device: where to allocate (e.g. "cuda").
+        device: where to allocate (e.g. "cuda"), a torch.device, str or int.
         bind_main_grad: when ``shapes`` are params, set ``param.main_grad`` to its grad view.
     """
     import torch
@@ -942,9 +949,11 @@ def materialize(
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"{name} must be a torch.dtype (got {dtype!r})")
     param_start, param_end, _, _ = layout._checked_arrays()
+    if not isinstance(device, (str, int, torch.device)) or isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device, str or int (got {type(device).__name__})")
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError) as error:
+    except RuntimeError as error:
         raise ValueError(f"device must name a torch device (got {device!r}: {error})") from None
     n = layout.num_params
     numels = (param_end - param_start).tolist()

@@ -74,7 +74,8 @@ def _byte_io_type() -> Any:
 def _check_items(items: Any) -> list:
     if isinstance(items, list):
         return items
-    # Upstream iterates once, so a tuple, dict values or a generator work there too.
+    # Megatron iterates once, so a tuple, dict values or a generator work there too (torch iterates
+    # twice: a one-shot iterator would lose its tensor items there); taken here as a list.
     if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
         raise TypeError(f"items must be a list of WriteItem (got {type(items).__name__})")
     return list(items)
@@ -95,7 +96,7 @@ def split_by_size_and_type(
             gives ``[]`` below 1, as upstream).
         items: ``torch.distributed.checkpoint.planner.WriteItem`` objects (or any objects with
             ``type``, ``tensor_data.chunk.sizes`` / ``tensor_data.size`` and
-            ``tensor_data.properties.dtype``).
+            ``tensor_data.properties.dtype``), a list or any iterable (read once).
         sizing: ``"chunk"`` (Megatron's ``_item_size``) or ``"global"`` (torch DCP's).
         balance: ``"upstream"`` (identical result) or ``"refined"`` (byte sizes counted when known,
             then greedy moves/swaps out of the heaviest bin; never a heavier maximum bin).

@@ -86,8 +86,10 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence (got {type(value).__name__})")
     try:
         return torch.tensor(value)
-    except (ValueError, TypeError, RuntimeError) as error:  # ragged nesting, non-numbers
+    except ValueError as error:  # ragged nesting
         raise ValueError(f"{name} must be a rectangular nested sequence of numbers ({error})") from None
+    except (TypeError, RuntimeError) as error:  # not numbers
+        raise TypeError(f"{name} must be a nested sequence of numbers ({error})") from None
 
 
 def _weight_2d(weight: Any) -> torch.Tensor:
@@ -211,7 +213,8 @@ def rebalance_experts(
         num_groups: expert groups; the hierarchical policy runs when ``num_groups % num_nodes == 0``,
             else the global one (one group, one node). Unused (any value, e.g. None) when
             ``enable_hierarchical`` is False, as in SGLang.
-        num_nodes: server nodes (fast intra-node network).
+        num_nodes: server nodes (fast intra-node network); unused, like ``num_groups``, when
+            ``enable_hierarchical`` is False.
         num_gpus: GPUs, a multiple of ``num_nodes`` (hierarchical policy).
         enable_hierarchical: SGLang's variant of the API: forces the policy (None: DeepSeek's rule).
         tie_break: ``"torch"`` (default, bit-identical to upstream on this torch) or ``"stable"``.

@@ -123,7 +123,9 @@ class PipelineLayout:
     """Megatron's ``PipelineParallelLayerLayout``: which layers each (pp_rank, vp_stage) holds.
 
     ``stages[c]`` is the expanded stage string (e.g. ``"Ettt"``) of chunk ``c`` in global order, i.e.
-    of pipeline rank ``c % pp`` at virtual stage ``c // pp``.
+    of pipeline rank ``c % pp`` at virtual stage ``c // pp``. Layers are numbered in that order; with
+    ``pp == 1`` and several virtual stages Megatron would number each from 0 instead (its layer
+    offset is 0), which the drop-ins and :func:`to_layout_str` refuse.
     """
 
     __slots__ = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "stages", "_counts")

@@ -49,6 +49,7 @@ _NATIVE_ID = {"gpt2": 0, "cl100k": 1, "o200k": 2}
 _ALIASES = {"cl100k_base": "cl100k", "o200k_base": "o200k"}
 _ERRORS = ("strict", "replace", "ignore")
 _NAME_LIKE = re.compile(r"[A-Za-z0-9_]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # code points with no UTF-8 encoding
 
 # Documents from an iterable are handed to the native counter in batches of about this size.
 _BATCH_BYTES = 8 << 20
@@ -323,19 +324,16 @@ def count_pretokens(
 
 
 def _count_text(counts: Counter, text: str, compiled: Any, tokens: Sequence[str], name: str) -> None:
+    # Checked up front, as the native path encodes every document first: a pattern that skips the
+    # surrogate would otherwise count the document.
+    surrogate = _SURROGATE.search(text)
+    if surrogate is not None:
+        raise ValueError(f"{name} contains a lone surrogate (at index {surrogate.start()}), which has no UTF-8 "
+                         "encoding")
     parts = _special_splitter(tokens).split(text) if tokens else [text]
-    try:
-        for idx, part in enumerate(parts):
-            if idx % 2 == 0:  # odd parts are the special tokens: not counted
-                counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
-    except UnicodeEncodeError:
-        # The error's position is within one pre-token: report the document's, as the native path does.
-        surrogate_idx = _SURROGATE.search(text).start()
-        raise ValueError(f"{name} contains a lone surrogate (at index {surrogate_idx}), which has no UTF-8 "
-                         "encoding") from None
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
+    for idx, part in enumerate(parts):
+        if idx % 2 == 0:  # odd parts are the special tokens: not counted
+            counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
 
 
 def _decode(raw: bytes, errors: str, name: str) -> str:
