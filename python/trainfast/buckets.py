@@ -955,7 +955,7 @@ def materialize(
         device = torch.device(device)
     except RuntimeError as error:
         raise ValueError(f"device must name a torch device (got {device!r}: {error})") from None
-    n = layout.num_params
+    n = len(param_start)
     numels = (param_end - param_start).tolist()
     params = None
     if shapes is None:

@@ -49,7 +49,6 @@ _NATIVE_ID = {"gpt2": 0, "cl100k": 1, "o200k": 2}
 _ALIASES = {"cl100k_base": "cl100k", "o200k_base": "o200k"}
 _ERRORS = ("strict", "replace", "ignore")
 _NAME_LIKE = re.compile(r"[A-Za-z0-9_]+")
-_SURROGATE = re.compile("[\ud800-\udfff]")  # code points with no UTF-8 encoding
 
 # Documents from an iterable are handed to the native counter in batches of about this size.
 _BATCH_BYTES = 8 << 20
@@ -98,6 +97,14 @@ def _compile(pattern: str) -> Any:
         raise ValueError(f"pattern is not a valid regular expression ({error}): {pattern!r}") from error
 
 
+def _check_encodable(text: str, name: str) -> None:
+    """ValueError naming ``text``'s first lone surrogate, which has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} contains a lone surrogate (at index {error.start}), which has no UTF-8 encoding") from None
+
+
 def _check_special_tokens(special_tokens: Any, *, unique: bool) -> list[str]:
     """``special_tokens`` as a list of non-empty, UTF-8-encodable str (None: no tokens). ``unique``:
     a repeat is an error (where each token gets its own id); splitting text ignores repeats."""
@@ -117,12 +124,7 @@ def _check_special_tokens(special_tokens: Any, *, unique: bool) -> list[str]:
             raise TypeError(f"special_tokens[{idx}] must be a str (got {type(token).__name__} {token!r})")
         if not token:
             raise ValueError(f"special_tokens[{idx}] must not be empty")
-        try:
-            token.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(
-                f"special_tokens[{idx}] contains a lone surrogate (at index {error.start}), which has no UTF-8 encoding"
-            ) from None
+        _check_encodable(token, f"special_tokens[{idx}]")
         if unique and token in seen:
             raise ValueError(f"special_tokens[{idx}] = {token!r} repeats an earlier special token")
         seen.add(token)
@@ -324,12 +326,9 @@ def count_pretokens(
 
 
 def _count_text(counts: Counter, text: str, compiled: Any, tokens: Sequence[str], name: str) -> None:
-    # Checked up front, as the native path encodes every document first: a pattern that skips the
-    # surrogate would otherwise count the document.
-    surrogate = _SURROGATE.search(text)
-    if surrogate is not None:
-        raise ValueError(f"{name} contains a lone surrogate (at index {surrogate.start()}), which has no UTF-8 "
-                         "encoding")
+    # Up front, as the native path encodes every document first: a pattern that skips the surrogate
+    # would otherwise count the document.
+    _check_encodable(text, name)
     parts = _special_splitter(tokens).split(text) if tokens else [text]
     for idx, part in enumerate(parts):
         if idx % 2 == 0:  # odd parts are the special tokens: not counted
