@@ -1952,7 +1952,17 @@ FlatPretokenCounts PretokenCounter::finish_flat(Interrupt* interrupt) {
   }
   FlatPretokenCounts out;
   write_in_order(sources, ranges, impl.options.num_threads, out, interrupt);
-  for (CountTable& table : impl.tables) table.clear();
+  // Each worker frees its own table's memory: the kernel keeps freed pages on a per-CPU list, so the
+  // next count's worker on that CPU gets them back warm. Freed by the calling thread, they came
+  // back to the other workers as fresh pages, which are slow on a VM that hands free memory to its
+  // host (two threads counting gcide again and again: 0.92-0.95x the time).
+  std::vector<std::atomic<bool>> cleared(impl.tables.size());
+  run_workers(impl.tables.size(), impl.options.num_threads, nullptr, [&](size_t, int worker) {
+    if (!cleared[worker].exchange(true)) impl.tables[worker].clear();
+  });
+  for (size_t t = 0; t < impl.tables.size(); ++t) {
+    if (!cleared[t]) impl.tables[t].clear();
+  }
   impl.num_items = 0;
   return out;
 }
