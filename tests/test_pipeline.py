@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import subprocess
 import sys
 import warnings
@@ -343,7 +344,7 @@ def _char(layer_type):
     return {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}[layer_type.name]
 
 
-LAYOUT_ALPHABET = "EtmL|()*,0123x３٢"  # Megatron's \d and int() read any Unicode decimal digit
+LAYOUT_ALPHABET = "EtmL|()*,0123xé😀３٢"  # Megatron's \d and int() read any Unicode decimal digit; (.) a whole character
 
 
 @given(st.text(LAYOUT_ALPHABET, max_size=14), st.integers(1, 3))
@@ -356,6 +357,22 @@ def test_layout_parser_on_arbitrary_strings(mcore, text, pp):
         return
     layout = tp.PipelineLayout.from_str(text, pp, validate=False)
     assert layout.layout == [["".join(_char(t) for t in s) for s in row] for row in upstream.layout]
+
+
+@pytest.mark.parametrize("text, char", [("Eé*2|tL", "'é' (U+00E9)"), ("E😀|tL", "'😀' (U+1F600)"),
+                                        ("Et\x01|tL", r"'\x01'"), ("E" + "t" * 78 + "é|L", "'é' (U+00E9)")])
+def test_layout_errors_name_non_ascii_characters_whole(text, char):
+    # Repeats and messages work on characters: a message cut inside one was not even decodable.
+    with pytest.raises(ValueError, match="invalid layer character " + re.escape(char)):
+        tp.PipelineLayout.from_str(text, 2)
+    with pytest.raises(ValueError, match="invalid layer character " + re.escape(char)):
+        tp.PipelineLayout(text.split("|"), 2)
+
+
+def test_layout_repeat_of_a_non_ascii_character_zero_times_is_dropped(mcore):
+    layout = tp.PipelineLayout.from_str("Eé*0t|tL", 2)
+    assert layout.stages == ("Et", "tL")
+    assert layout.layout == [["".join(_char(t) for t in s) for s in row] for row in mcore.Layout("Eé*0t|tL", 2).layout]
 
 
 def test_layout_through_transformer_config(mcore):

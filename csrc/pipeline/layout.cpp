@@ -1,6 +1,7 @@
 #include "pipeline/layout.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -12,10 +13,28 @@ namespace {
 
 bool is_digit(char c) { return c >= '0' && c <= '9'; }
 
+bool is_continuation(char c) { return (static_cast<unsigned char>(c) & 0xC0) == 0x80; }
+
+// Bytes of the character starting at s[i]: layouts come from Python str, so they are UTF-8, and
+// upstream's regexes see characters, not bytes.
+size_t char_length(std::string_view s, size_t i) {
+  size_t end = i + 1;
+  while (end < s.size() && is_continuation(s[end])) ++end;
+  return end - i;
+}
+
+// Cut at a character boundary: a message with half a character is not UTF-8, and Python could not
+// even decode it.
 std::string quoted(std::string_view s) {
   constexpr size_t kMax = 80;
   std::string out = "'";
-  out += s.size() > kMax ? std::string(s.substr(0, kMax)) + "..." : std::string(s);
+  if (s.size() > kMax) {
+    size_t cut = kMax;
+    while (cut > 0 && is_continuation(s[cut])) --cut;
+    out += std::string(s.substr(0, cut)) + "...";
+  } else {
+    out += s;
+  }
   return out + "'";
 }
 
@@ -72,32 +91,52 @@ std::string unroll_chars(std::string_view s, std::string_view layout) {
   std::string out;
   size_t i = 0;
   while (i < s.size()) {
-    if (s[i] != '\n' && i + 2 < s.size() && s[i + 1] == '*' && is_digit(s[i + 2])) {
-      size_t pos = i + 2;
+    const size_t len = char_length(s, i);
+    if (s[i] != '\n' && i + len + 1 < s.size() && s[i + len] == '*' && is_digit(s[i + len + 1])) {
+      size_t pos = i + len + 1;
       const int64_t times = read_count(s, pos, layout);
-      append_repeated(out, s.substr(i, 1), times, layout);
+      append_repeated(out, s.substr(i, len), times, layout);
       i = pos;
       continue;
     }
-    out.push_back(s[i++]);
+    out.append(s.substr(i, len));
+    i += len;
   }
   return out;
 }
 
 bool known_char(char c) { return c == 'E' || c == 'L' || c == 't' || c == 'm'; }
 
-std::string describe_char(char c) {
-  if (c >= 0x20 && c < 0x7f) return std::string("'") + c + "'";
-  static const char* hex = "0123456789abcdef";
-  const auto u = static_cast<unsigned char>(c);
-  return std::string("'\\x") + hex[u >> 4] + hex[u & 15] + "'";
+// One character (its UTF-8 bytes) for a message: printable ASCII as itself, other single bytes as
+// '\xNN', anything else as itself with its code point.
+std::string describe_char(std::string_view ch) {
+  const auto lead = static_cast<unsigned char>(ch[0]);
+  std::string out = "'";
+  if (ch.size() == 1 && (lead < 0x20 || lead >= 0x7f)) {
+    static const char* hex = "0123456789abcdef";
+    out += "\\x";
+    out += hex[lead >> 4];
+    out += hex[lead & 15];
+    return out + "'";
+  }
+  out.append(ch);
+  out += "'";
+  if (ch.size() == 1) return out;
+  uint32_t code = lead & (0x7F >> ch.size());
+  for (size_t k = 1; k < ch.size(); ++k) code = (code << 6) | (static_cast<unsigned char>(ch[k]) & 0x3F);
+  char digits[16];
+  std::snprintf(digits, sizeof digits, " (U+%04X)", static_cast<unsigned>(code));
+  return out + digits;
 }
 
 void check_stage_chars(const std::vector<std::string>& stages, std::string_view layout) {
   for (size_t k = 0; k < stages.size(); ++k) {
-    for (char c : stages[k]) {
+    const std::string_view stage = stages[k];
+    for (size_t j = 0; j < stage.size(); j += char_length(stage, j)) {
+      const char c = stage[j];
       if (!known_char(c)) {
-        std::string msg = "invalid layer character " + describe_char(c) + " in stage " + std::to_string(k) +
+        std::string msg = "invalid layer character " + describe_char(stage.substr(j, char_length(stage, j))) +
+                          " in stage " + std::to_string(k) +
                           " (" + quoted(stages[k]) + ")";
         if (!layout.empty()) msg += " of layout " + quoted(layout);
         if (c == '(' || c == ')') msg += " (unbalanced or nested parentheses: use '(X)*n')";
@@ -201,11 +240,11 @@ bool validate_layout(const Layout& layout, int64_t num_layers, int64_t mtp_num_l
   }
   const char first = layout.stages[first_stage].front(), last = layout.stages[last_stage].back();
   if (first != 'E') {
-    throw std::invalid_argument("the first layer must be the embedding 'E', but got " + describe_char(first) +
+    throw std::invalid_argument("the first layer must be the embedding 'E', but got " + describe_char(std::string_view(&first, 1)) +
                                 " in " + stage_name(first_stage, pp));
   }
   if (last != 'L') {
-    throw std::invalid_argument("the last layer must be the loss 'L', but got " + describe_char(last) +
+    throw std::invalid_argument("the last layer must be the loss 'L', but got " + describe_char(std::string_view(&last, 1)) +
                                 " in " + stage_name(last_stage, pp));
   }
   if (num_e != 1) {
