@@ -121,6 +121,19 @@ def test_pattern_spellings_add_up(parts):
     assert (by_name + by_alias).counts == count_words(parts[:2], [EOT], pattern="cl100k", show_progress=False).counts
 
 
+def test_train_from_counts_special_tokens_read_once_and_checked(parts):
+    counts = count_words(parts, [EOT], show_progress=False)
+    expected = train_from_counts(counts, 600, show_progress=False)
+    # A one-shot iterable: compared with the counts' tokens, then trained with, not used up first.
+    assert train_from_counts(counts, 600, iter([EOT]), show_progress=False) == expected
+    assert train_from_counts(counts.counts, 600, iter([EOT]), show_progress=False) == expected
+    for word_counts in (counts, counts.counts):
+        with pytest.raises(TypeError, match="not a single str"):
+            train_from_counts(word_counts, 600, EOT, show_progress=False)
+    with pytest.raises(ValueError, match="repeats an earlier special token"):
+        train_from_counts(counts.counts, 600, [EOT, EOT], show_progress=False)
+
+
 def test_mismatched_settings(parts):
     a = count_words(parts[:1], [EOT], show_progress=False)
     with pytest.raises(ValueError, match="different settings"):

@@ -287,13 +287,16 @@ def train_from_counts(
     """``train_bpe``'s ``(vocab, merges)`` from counts. For :class:`WordCounts`, ``special_tokens``
     defaults to the ones counted with and must equal them (they also take ids 256...)."""
     from trainfast.bpe import train as train_module
+    from trainfast.bpe.pretokenize import _check_special_tokens
 
+    # Read once, here: a one-shot iterable compared below would reach training empty.
+    tokens = None if special_tokens is None else _check_special_tokens(special_tokens, unique=True)
     if isinstance(word_counts, WordCounts):
-        if special_tokens is None:
-            special_tokens = list(word_counts.special_tokens)
-        elif isinstance(special_tokens, (str, bytes)) or list(special_tokens) != list(word_counts.special_tokens):
+        if tokens is None:
+            tokens = list(word_counts.special_tokens)
+        elif tokens != list(word_counts.special_tokens):
             raise ValueError(
-                f"special_tokens {special_tokens!r} differ from those the counts were taken with "
+                f"special_tokens {tokens!r} differ from those the counts were taken with "
                 f"{list(word_counts.special_tokens)!r}; train_bpe would have counted different pre-tokens"
             )
         table = word_counts.counts
@@ -301,4 +304,4 @@ def train_from_counts(
         table = word_counts
     else:
         raise TypeError(f"word_counts must be a WordCounts or dict[bytes, int] (got {type(word_counts).__name__})")
-    return train_module.train_from_counts(table, vocab_size, list(special_tokens or ()), show_progress=show_progress)
+    return train_module.train_from_counts(table, vocab_size, tokens or [], show_progress=show_progress)
