@@ -285,6 +285,34 @@ def test_per_buffer_and_full_layout_dropins(seed, monkeypatch):
         assert per_buffer.param_indices == indices
 
 
+def test_layout_dropins_fit_a_layout_class_without_num_optimizer_shards(monkeypatch):
+    """megatron-core 0.18 has PerBufferParamLayout but not its num_optimizer_shards field (0.19 added
+    it): the drop-ins must build it without that keyword, as 0.18's own code does."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class PerBufferParamLayout018:
+        param_index_map: dict = dataclasses.field(default_factory=dict)
+        bucket_indices: list = dataclasses.field(default_factory=list)
+        per_bucket_numel_unpadded: list = dataclasses.field(default_factory=list)
+        param_indices: list = dataclasses.field(default_factory=list)
+
+    key_type, _, full_type = buckets._dataclasses()
+    monkeypatch.setattr(buckets, "_dataclasses", lambda: (key_type, PerBufferParamLayout018, full_type))
+    params = make_params(random.Random(3), 12)
+    config = types.SimpleNamespace(grad_reduce_in_fp32=False, pad_buckets_for_high_nccl_busbw=False)
+    layout = buckets.compute_per_buffer_param_layout(params, 5000, 4, config, param_indices=tuple(range(12)))
+    assert type(layout) is PerBufferParamLayout018
+    assert layout.param_indices == tuple(range(12))  # kept as given, as upstream does
+    starts, ends, ids, bucket_indices, _ = ref.layout(
+        [p.numel() for p in params], [getattr(p, "shared_embedding", False) for p in params], 5000, 4)
+    assert [layout.param_index_map[p] for p in params] == list(zip(starts, ends, ids))
+    assert layout.bucket_indices == bucket_indices
+    full = buckets.compute_full_param_layout(params, 5000, 4, config)
+    assert all(type(per_buffer) is PerBufferParamLayout018 for per_buffer in full.layouts.values())
+    assert type(buckets.compute_default_per_buffer_param_layout(params, 5000)) is PerBufferParamLayout018
+
+
 # --- real megatron-core: its own entry points with and without the patch --------------------------------
 
 
@@ -674,6 +702,20 @@ def test_dropin_bad_input():
     with pytest.raises(TypeError, match="param_world_index_map"):
         buckets.build_model_gbuf_param_range_map([("p", (0, 5, 0))], world, 0)
     assert list(buckets.build_model_gbuf_param_range_map({"p": [0, 200, 0]}, world, 0)) == ["p"]
+
+
+def test_range_map_of_a_dict_subclass_follows_its_items_order():
+    import collections
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    a, b, c = (torch.nn.Parameter(torch.empty(10)) for _ in range(3))
+    index_map = collections.OrderedDict([(a, (0, 10, 0)), (b, (10, 20, 0)), (c, (20, 30, 0))])
+    index_map.move_to_end(a)  # .items() order b, c, a; the dict underneath still stores a first
+    want = DistributedOptimizer._build_model_gbuf_param_range_map(index_map, Range(0, 30), 0)
+    got = buckets.build_model_gbuf_param_range_map(index_map, Range(0, 30), 0)
+    assert [id(p) for p in got] == [id(p) for p in want] == [id(b), id(c), id(a)]
+    assert range_maps_as_tuples({"param_map": got}) == range_maps_as_tuples({"param_map": want})
 
 
 def test_empty_model():

@@ -633,13 +633,23 @@ def _to_per_buffer_layout(params: list, layout: ParamLayout, param_indices: Any,
         params if isinstance(params, list) else list(params), layout.param_start.numpy(), layout.param_end.numpy(),
         layout.bucket_id.numpy(), _id_hashed_parameter_type(),
     )
-    return _dataclasses()[1](
+    layout_type = _dataclasses()[1]
+    extra = {}
+    # megatron-core 0.18 has the layout class without this field (0.19 added it).
+    if num_optimizer_shards is not None and _has_field(layout_type, "num_optimizer_shards"):
+        extra["num_optimizer_shards"] = num_optimizer_shards
+    return layout_type(
         param_index_map=index_map,
         bucket_indices=[tuple(pair) for pair in layout.bucket_indices.tolist()],
         per_bucket_numel_unpadded=layout.per_bucket_numel_unpadded.tolist(),
-        param_indices=list(param_indices) if param_indices is not None else [],
-        num_optimizer_shards=num_optimizer_shards,
+        param_indices=param_indices if param_indices is not None else [],  # kept as given, as upstream does
+        **extra,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _has_field(cls: type, name: str) -> bool:
+    return name in getattr(cls, "__dataclass_fields__", {})
 
 
 def compute_default_per_buffer_param_layout(params: Any, bucket_size: int | None) -> Any:
@@ -792,6 +802,10 @@ def build_model_gbuf_param_range_map(param_world_index_map: dict, gbuf_world_ran
         raise TypeError(
             f"param_world_index_map must be a dict (got {type(param_world_index_map).__name__})"
         )
+    if type(param_world_index_map) is not dict:
+        # The native pass reads the dict's storage order; upstream reads .items(), which a subclass
+        # may order differently (an OrderedDict after move_to_end).
+        param_world_index_map = dict(param_world_index_map.items())
     return _core.buckets_param_range_map(
         param_world_index_map, *_range_bounds(gbuf_world_range, bucket_offset), range_type
     )
