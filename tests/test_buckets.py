@@ -645,6 +645,9 @@ def test_a_layout_with_replaced_fields():
         with pytest.raises(error, match="max_buckets"):
             layout.summary(max_buckets=bad)
     assert layout.summary(max_buckets=0).splitlines()[-1] == "  ... 2 more buckets"
+    for bad, error in ((0, ValueError), (None, TypeError), (2.5, TypeError)):
+        with pytest.raises(error, match="layout.data_parallel_world_size"):
+            dataclasses.replace(layout, data_parallel_world_size=bad).summary()
 
 
 def test_shard_ranges_bad_input():
@@ -744,7 +747,7 @@ def test_cli_json_spec(tmp_path, capsys):
     assert "23 params in 3 buckets" in capsys.readouterr().out  # tied embedding + output sit alone
 
 
-def test_cli_bad_input(tmp_path, capsys):
+def test_cli_bad_input(tmp_path, capsys, caplog):
     from trainfast.cli import main
 
     assert main(["buckets", "--model", "gpt", "--dp", "0"]) == 2
@@ -759,6 +762,10 @@ def test_cli_bad_input(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('[{"name": "x"}]')
     assert main(["buckets", "--model", str(bad)]) == 2
+    bad.write_text('[{"shape": 5}]')
+    with caplog.at_level("ERROR", logger="trainfast"):
+        assert main(["buckets", "--model", str(bad)]) == 2
+    assert "params[0].shape must be a list of ints (got 5)" in caplog.text
 
 
 def test_builtin_specs():

@@ -205,7 +205,8 @@ class ParamLayout:
         grad_bytes = check_int(grad_bytes, "grad_bytes", min_value=0)
         max_buckets = check_int(max_buckets, "max_buckets", min_value=0)
         starts, ends, ids, indices = self._checked_arrays()
-        dp = self.data_parallel_world_size
+        dp = check_int(self.data_parallel_world_size, "layout.data_parallel_world_size", min_value=1,
+                       max_value=INT64_MAX)
         param_numel = int((ends - starts).sum())
         padding = self.numel - param_numel
         sizes = (indices[:, 1] - indices[:, 0]) if indices.shape[0] else None
@@ -728,7 +729,7 @@ def partition_buckets(
 
     ``reduce_scatter_with_fp32_accumulation`` (newer megatron-core) puts every bucket in a group of
     its own, fp8 buckets first. ``require_distinct_param_dtypes`` adds the check of megatron-core
-    <= 0.16 (no two buffers of one param dtype); newer releases only refuse two uint8 buffers.
+    <= 0.17 (no two buffers of one param dtype); newer releases only refuse two uint8 buffers.
     """
     buffer_list = _param_list(buffers)
     if not buffer_list:

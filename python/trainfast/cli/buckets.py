@@ -117,6 +117,8 @@ def load_spec(path: str | Path) -> ModelSpec:
         if not isinstance(item, dict):
             raise ValueError(f"{path}: params[{i}] must be an object (got {item!r})")
         if "shape" in item:
+            if not isinstance(item["shape"], list):
+                raise ValueError(f"{path}: params[{i}].shape must be a list of ints (got {item['shape']!r})")
             shape = [check_int(d, f"params[{i}].shape", min_value=0) for d in item["shape"]]
         elif "numel" in item:
             shape = [check_int(item["numel"], f"params[{i}].numel", min_value=0)]

@@ -59,7 +59,7 @@ def _partition_buckets(original):
 
     names = list(inspect.signature(original).parameters)
     if names == ["buffers", "force_single_bucket_group", "reduce_scatter_with_fp32_accumulation"]:
-        # megatron-core >= 0.17: only a second uint8 buffer is refused.
+        # megatron-core >= 0.18 (the three-argument form): only a second uint8 buffer is refused.
         def replacement(buffers, force_single_bucket_group=False, reduce_scatter_with_fp32_accumulation=False):
             return buckets.partition_buckets(buffers, force_single_bucket_group, reduce_scatter_with_fp32_accumulation)
 
@@ -67,7 +67,7 @@ def _partition_buckets(original):
     if names == ["buffers", "force_single_bucket_group"] and not _source_mentions(
         original, "reduce_scatter_with_fp32_accumulation"
     ):
-        # megatron-core <= 0.16: buffers of one param dtype are refused too.
+        # megatron-core <= 0.17 (the two-argument form): buffers of one param dtype are refused too.
         def replacement(buffers, force_single_bucket_group=False):
             return buckets.partition_buckets(buffers, force_single_bucket_group, require_distinct_param_dtypes=True)
 
