@@ -129,6 +129,8 @@ std::string describe_char(std::string_view ch) {
   return out + digits;
 }
 
+std::string describe_char(char c) { return describe_char(std::string_view(&c, 1)); }
+
 void check_stage_chars(const std::vector<std::string>& stages, std::string_view layout) {
   for (size_t k = 0; k < stages.size(); ++k) {
     const std::string_view stage = stages[k];
@@ -136,8 +138,7 @@ void check_stage_chars(const std::vector<std::string>& stages, std::string_view 
       const char c = stage[j];
       if (!known_char(c)) {
         std::string msg = "invalid layer character " + describe_char(stage.substr(j, char_length(stage, j))) +
-                          " in stage " + std::to_string(k) +
-                          " (" + quoted(stages[k]) + ")";
+                          " in stage " + std::to_string(k) + " (" + quoted(stages[k]) + ")";
         if (!layout.empty()) msg += " of layout " + quoted(layout);
         if (c == '(' || c == ')') msg += " (unbalanced or nested parentheses: use '(X)*n')";
         throw std::invalid_argument(msg + "; known layer characters: E (embedding), t (decoder), "
@@ -240,11 +241,11 @@ bool validate_layout(const Layout& layout, int64_t num_layers, int64_t mtp_num_l
   }
   const char first = layout.stages[first_stage].front(), last = layout.stages[last_stage].back();
   if (first != 'E') {
-    throw std::invalid_argument("the first layer must be the embedding 'E', but got " + describe_char(std::string_view(&first, 1)) +
+    throw std::invalid_argument("the first layer must be the embedding 'E', but got " + describe_char(first) +
                                 " in " + stage_name(first_stage, pp));
   }
   if (last != 'L') {
-    throw std::invalid_argument("the last layer must be the loss 'L', but got " + describe_char(std::string_view(&last, 1)) +
+    throw std::invalid_argument("the last layer must be the loss 'L', but got " + describe_char(last) +
                                 " in " + stage_name(last_stage, pp));
   }
   if (num_e != 1) {
