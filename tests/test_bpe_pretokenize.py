@@ -114,6 +114,14 @@ def test_pattern_aliases_and_strings():
         assert pretokenize(text, pattern=regex.compile(PATTERNS[name])) == ref.pretokenize(text, name)
 
 
+def test_compiled_named_pattern_takes_the_native_scanner():
+    # regex's Pattern class lives in its _regex module: the test for it once never matched.
+    resolve = sys.modules["trainfast.bpe.pretokenize"]._resolve_pattern
+    for name in NAMES:
+        assert resolve(regex.compile(PATTERNS[name]))[1] is None
+        assert resolve(regex.compile(PATTERNS[name], regex.IGNORECASE))[1] is not None  # other flags: fallback
+
+
 def test_custom_pattern_falls_back_to_regex(tmp_path):
     path = tmp_path / "doc.txt"
     path.write_bytes(b"a b<|e|>\r\nb\xff")
@@ -575,6 +583,14 @@ def test_bad_pattern():
         pretokenize("x", pattern=3)
     with pytest.raises(ValueError, match="pattern is not a valid regular expression"):
         pretokenize("x", pattern="(unclosed")
+    # findall gives tuples for two or more groups: pretokenize returns them as findall does, but they
+    # cannot be counted or encoded.
+    assert pretokenize("ab cd", pattern=r"(a)(b)|\w+") == regex.findall(r"(a)(b)|\w+", "ab cd")
+    with pytest.raises(ValueError, match="pattern has 2 capturing groups"):
+        count_pretokens(iter(["ab cd"]), pattern=r"(a)(b)|\w+")
+    with pytest.raises(ValueError, match="pattern has 2 capturing groups"):
+        count_pretokens(iter(["ab cd"]), pattern=regex.compile(r"(a)(b)|\w+"))
+    assert count_pretokens(iter(["ab cd"]), pattern=r"(\w+)") == {b"ab": 1, b"cd": 1}
 
 
 def test_bad_special_tokens():

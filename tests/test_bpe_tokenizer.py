@@ -331,6 +331,8 @@ def test_custom_regex_pattern_matches_oracle(small):
     assert tok.encode(text) == ref.encode(text)
     assert list(tok.encode_iterable([text[:7], text[7:]])) == ref.encode(text)
     assert tok.encode_batch([text, text]) == [ref.encode(text)] * 2
+    with pytest.raises(ValueError, match="pattern has 2 capturing groups"):
+        Tokenizer(vocab, merges, [EOT], pattern=r"(\p{L})(\p{L})|\S")
 
 
 # --- bad input -----------------------------------------------------------------------------------

@@ -5,9 +5,11 @@ over files or documents on all cores, e.g. to train a BPE tokenizer::
 
     counts = count_pretokens("corpus.txt", special_tokens=["<|endoftext|>"])   # {b" the": 812, ...}
 
-The named patterns (``"gpt2"``, ``"cl100k"``, ``"o200k"``) run hand-written scanners; any other
-regular expression (a pattern string or a compiled ``regex``/``re`` pattern) falls back to the
-``regex`` package in Python on one thread, which is much slower.
+The named patterns (``"gpt2"``, ``"cl100k"``, ``"o200k"``) run hand-written scanners, as do their
+exact strings, also compiled by ``regex`` with default flags; any other regular expression (a
+pattern string or a compiled ``regex``/``re`` pattern) falls back to the ``regex`` package in Python
+on one thread, which is much slower. A pattern with two or more capturing groups (``findall`` then
+gives tuples) cannot be counted.
 """
 
 from __future__ import annotations
@@ -74,10 +76,30 @@ def _resolve_pattern(pattern: Any) -> tuple[int | None, Any]:
         return None, _compile(pattern)
     if hasattr(pattern, "pattern") and hasattr(pattern, "findall"):  # compiled regex / re pattern
         for known, text in PATTERNS.items():
-            if pattern.pattern == text and type(pattern).__module__.startswith("regex") and _default_flags(pattern):
+            if pattern.pattern == text and _is_regex_pattern(pattern) and _default_flags(pattern):
                 return _NATIVE_ID[known], None
         return None, pattern
     raise TypeError(f"pattern must be a str or a compiled regular expression (got {type(pattern).__name__})")
+
+
+def _is_regex_pattern(compiled: Any) -> bool:
+    """Compiled by the ``regex`` package (whose class lives in its ``_regex`` module), not ``re``."""
+    try:
+        import regex
+    except ImportError:  # pragma: no cover - then nothing is a regex pattern
+        return False
+    return isinstance(compiled, type(regex.compile("")))
+
+
+def _pieces_pattern(compiled: Any) -> Any:
+    """``compiled``, refused where its ``findall`` gives tuples (two or more capturing groups), which
+    are not pre-tokens: a ValueError here, not an AttributeError deep in counting or encoding."""
+    if compiled is not None and getattr(compiled, "groups", 0) >= 2:
+        raise ValueError(
+            f"pattern has {compiled.groups} capturing groups, so findall returns tuples, not pre-tokens; "
+            f"use non-capturing groups (?:...) (got {compiled.pattern!r})"
+        )
+    return compiled
 
 
 def _default_flags(compiled: Any) -> bool:
@@ -257,6 +279,7 @@ def count_pretokens(
         ``_core.BpeWordTable`` instead for the named patterns, for ``train_bpe``.)
     """
     native_id, compiled = _resolve_pattern(pattern)
+    _pieces_pattern(compiled)
     tokens = _check_special_tokens(special_tokens, unique=False)
     threads = resolve_num_threads(num_threads)
     check_choice(errors, "errors", _ERRORS)
