@@ -50,9 +50,24 @@ def _floats(text: str, name: str) -> list[float]:
         raise ValueError(f"{name} must be comma-separated numbers (got {text!r})") from None
 
 
+# Options a method does not read, refused rather than ignored (the megatron, uneven and paddle plans
+# check theirs in plan_layers).
+_UNUSED = {
+    "layout": ("first", "last", "account_for_embedding", "account_for_loss", "stage_ids"),
+    "balanced": ("first", "last", "account_for_embedding", "account_for_loss", "stage_ids", "layout"),
+}
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    for name in _UNUSED.get(args.method, ("layout",)):
+        if getattr(args, name) not in (None, False):
+            raise ValueError(f"--{name.replace('_', '-')} is not used by --method {args.method}")
+
+
 def _handle(args: argparse.Namespace) -> int:
     from trainfast import pipeline as tp
 
+    _check_options(args)
     costs: Any = None
     if args.costs is not None:
         costs = _floats(args.costs, "--costs")
@@ -71,6 +86,8 @@ def _handle(args: argparse.Namespace) -> int:
             raise ValueError("--method layout needs --layout")
         layout = tp.PipelineLayout.from_str(args.layout, args.pp, num_layers=args.num_layers)
         plan, vpp = layout.plan(), layout.virtual_pipeline_model_parallel_size
+        if args.vpp is not None and args.vpp != vpp:
+            raise ValueError(f"--vpp {args.vpp} differs from the layout's {vpp} virtual stages per rank")
         num_layers = sum(len(r) for r in plan.values())
         text = layout.to_str()
     elif args.method == "balanced":
