@@ -476,6 +476,34 @@ def test_cli_encode_and_export(shared_dir, tmp_path, small, capsys):
     assert hf.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False).ids == expected
 
 
+def test_cli_encode_reads_text_mode_and_names_bad_bytes(tmp_path, small, caplog):
+    from trainfast.bpe import save
+    from trainfast.cli import main
+
+    vocab, merges = small
+    save(vocab, merges, tmp_path / "tok")
+    tok = Tokenizer(vocab, merges)
+
+    def encode(data, *extra):
+        (tmp_path / "in.txt").write_bytes(data)
+        with caplog.at_level("ERROR", logger="trainfast"):
+            code = main(["bpe", "encode", str(tmp_path / "in.txt"), "--tokenizer", str(tmp_path / "tok"),
+                         "--out", str(tmp_path / "ids.npy"), "--no-progress", *extra])
+        return code, np.load(tmp_path / "ids.npy").tolist() if code == 0 else None
+
+    # The offset is the file's, not a read buffer's; a character split across the 1 MiB reads counts.
+    for data, offset in ((b"a" * 120_000 + b"\xff b", 120_000),
+                         (b"x" * ((1 << 20) - 1) + "é".encode() + b"\xc3(zz", (1 << 20) + 1)):
+        caplog.clear()
+        assert encode(data)[0] == 2
+        assert f"in.txt: invalid UTF-8 at byte offset {offset}" in caplog.text
+    # Universal newlines, also for a "\r" that ends one read and a "\n" that starts the next.
+    data = b"ab\xffcd \r\n" * 50 + b"y" * ((1 << 20) - 401) + b"\r" + b"\nz\rq\r"  # "\r" is byte 2^20 - 1
+    for errors in ("replace", "ignore"):
+        text = data.decode("utf-8", errors).replace("\r\n", "\n").replace("\r", "\n")
+        assert encode(data, "--errors", errors) == (0, tok.encode(text))
+
+
 def test_ctrl_c_stops_encoding(gpt2, sigint_repeatedly):
     text = ("hello world 123 " * 100 + "\n") * 40_000  # 64 MB: seconds of work
     for run in (lambda: gpt2.encode(text), lambda: gpt2.encode_batch([text[:100_000]] * 600, num_threads=2)):

@@ -7,11 +7,14 @@ Adds to the ``bpe`` subcommand that ``trainfast.cli.bpe`` registers (modules reg
 from __future__ import annotations
 
 import argparse
+import codecs
 import io
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 _log = logging.getLogger("trainfast.bpe")
 
@@ -49,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     encode.add_argument("input", help="UTF-8 text file")
     _add_tokenizer_args(encode)
     encode.add_argument("--out", required=True, help=".npy file for the ids")
+    encode.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
+                        help="invalid UTF-8: fail naming the byte offset (default), replace or ignore")
     encode.add_argument("--no-progress", action="store_true", help="no progress bar")
     encode.set_defaults(handler=_encode_command)
 
@@ -114,23 +119,31 @@ def _load_tokenizer(args: argparse.Namespace):
                                 pattern=args.pattern)
 
 
-class _CountingReader(io.RawIOBase):
-    """A raw file that counts the bytes read through it (for progress over a text stream)."""
-
-    def __init__(self, raw: io.RawIOBase) -> None:
-        self.raw, self.bytes_read = raw, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:  # type: ignore[override]
-        n = self.raw.readinto(buffer) or 0
-        self.bytes_read += n
-        return n
-
-    def close(self) -> None:
-        self.raw.close()
-        super().close()
+def _decoded_chunks(path: str, errors: str, on_progress: Any) -> Iterator[str]:
+    """The file's text as Python text mode reads it (UTF-8, universal newlines), in about 1 MiB
+    pieces; invalid UTF-8 (errors="strict") raises a ValueError naming the file and byte offset."""
+    inner = codecs.getincrementaldecoder("utf-8")(errors)
+    decoder = io.IncrementalNewlineDecoder(inner, translate=True)
+    offset = 0  # bytes read before this block
+    with open(path, "rb") as raw:
+        while True:
+            block = raw.read(1 << 20)
+            pending = len(inner.getstate()[0])  # bytes of an unfinished character from the last block
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                at = offset - pending + error.start
+                raise ValueError(
+                    f"{path}: invalid UTF-8 at byte offset {at}: 'utf-8' codec can't decode byte "
+                    f"0x{error.object[error.start]:02x}: {error.reason} (pass --errors replace or --errors "
+                    f"ignore to decode anyway)"
+                ) from None
+            offset += len(block)
+            on_progress(offset)
+            if text:
+                yield text
+            if not block:
+                return
 
 
 def _encode_command(args: argparse.Namespace) -> int:
@@ -139,7 +152,6 @@ def _encode_command(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args)
     size = Path(args.input).stat().st_size
     start = time.perf_counter()
-    counting = _CountingReader(open(args.input, "rb", buffering=0))
     bar = None
     if not args.no_progress and sys.stderr is not None and sys.stderr.isatty():
         from tqdm import tqdm
@@ -147,20 +159,17 @@ def _encode_command(args: argparse.Namespace) -> int:
         bar = tqdm(total=size, unit="B", unit_scale=True, desc="bpe encode", leave=False)
     last_log = time.monotonic()
 
-    def lines():
+    def on_progress(bytes_read: int) -> None:
         nonlocal last_log
-        with io.TextIOWrapper(io.BufferedReader(counting), encoding="utf-8") as text:
-            for line_no, line in enumerate(text):
-                if line_no % 4096 == 0:
-                    if bar is not None:
-                        bar.update(counting.bytes_read - bar.n)
-                    elif not args.no_progress and time.monotonic() - last_log >= 5.0:
-                        last_log = time.monotonic()
-                        _log.info("bpe encode: %.0f%% of %s", 100 * counting.bytes_read / max(size, 1), args.input)
-                yield line
+        if bar is not None:
+            bar.update(bytes_read - bar.n)
+        elif not args.no_progress and time.monotonic() - last_log >= 5.0:
+            last_log = time.monotonic()
+            _log.info("bpe encode: %.0f%% of %s", 100 * bytes_read / max(size, 1), args.input)
 
     try:
-        ids = np.fromiter(tokenizer.encode_iterable(lines()), dtype=np.uint32)
+        ids = np.fromiter(tokenizer.encode_iterable(_decoded_chunks(args.input, args.errors, on_progress)),
+                          dtype=np.uint32)
     finally:
         if bar is not None:
             bar.close()
