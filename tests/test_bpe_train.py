@@ -10,11 +10,12 @@ import re
 from pathlib import Path
 
 import pytest
+import regex
 from hypothesis import given
 from hypothesis import strategies as st
 
 from reference import bpe as ref
-from trainfast.bpe import load, save, train_bpe, train_from_counts
+from trainfast.bpe import PATTERNS, load, save, train_bpe, train_from_counts
 from trainfast.bpe.io import bytes_to_unicode
 
 SPECIAL = "<|endoftext|>"
@@ -375,3 +376,6 @@ def test_other_patterns(shared_dir, pattern):
     assert len(merges) > 0 and len(vocab) == 257 + len(merges)
     if pattern.startswith("\\"):  # a custom regex: same as the oracle with that pattern
         assert (vocab, merges) == ref.train_bpe(path, 350, [SPECIAL], pattern=pattern)
+    # Compiled, as pretokenize and count_pretokens take it (a named one runs the native scanner).
+    compiled = regex.compile(PATTERNS.get(pattern, pattern))
+    assert _train(path, 350, [SPECIAL], pattern=compiled) == (vocab, merges)

@@ -265,7 +265,8 @@ def count_words(
     from trainfast.bpe.pretokenize import _check_special_tokens
 
     if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be a str (got {type(pattern).__name__})")
+        raise TypeError(f"pattern must be a str, a name or a regular expression's source, which the counts keep "
+                        f"(got {type(pattern).__name__})")
     special_tokens = _check_special_tokens(special_tokens, unique=True)
     check_choice(errors, "errors", ("strict", "replace", "ignore"))
     counts = count_pretokens(inputs, pattern=pattern, special_tokens=tuple(special_tokens),

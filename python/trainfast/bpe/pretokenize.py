@@ -71,7 +71,7 @@ def _resolve_pattern(pattern: Any) -> tuple[int | None, Any]:
         if _NAME_LIKE.fullmatch(pattern):
             raise ValueError(
                 f"pattern must be one of {', '.join(map(repr, PATTERNS))} or a regular expression "
-                f"(got unknown pattern name {pattern!r}; pass a compiled regex to match it literally)"
+                f"(got unknown pattern name {pattern!r}; write '(?:{pattern})' to use it as a regular expression)"
             )
         return None, _compile(pattern)
     if hasattr(pattern, "pattern") and hasattr(pattern, "findall"):  # compiled regex / re pattern

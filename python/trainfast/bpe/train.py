@@ -34,7 +34,7 @@ def train_bpe(
     vocab_size: int,
     special_tokens: Sequence[str] | None = (),
     *,
-    pattern: str = "gpt2",
+    pattern: Any = "gpt2",
     num_threads: int | None = None,
     errors: str = "strict",
     show_progress: bool = True,
@@ -47,7 +47,8 @@ def train_bpe(
         vocab_size: final vocabulary size (256 bytes + specials + merges); training stops earlier
             when no pair is left.
         special_tokens: strings split out of the text before pre-tokenization; never merged.
-        pattern: pre-tokenizer: ``"gpt2"`` (CS336), ``"cl100k"``, ``"o200k"`` or a regex string.
+        pattern: pre-tokenizer: ``"gpt2"`` (CS336), ``"cl100k"``, ``"o200k"``, a regex string or a
+            compiled ``regex``/``re`` pattern.
         num_threads: pre-tokenizer threads (default $TRAINFAST_NUM_THREADS or all cores); the
             result does not depend on it.
         errors: invalid UTF-8 handling: ``"strict"`` (ValueError naming the byte offset),
@@ -62,13 +63,11 @@ def train_bpe(
     vocab_size = _check_vocab_size(vocab_size, special_tokens)
     num_threads = resolve_num_threads(num_threads)
     check_choice(errors, "errors", _ERROR_MODES)
-    if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be a str (got {type(pattern).__name__})")
     word_counts = _count_words(input_path, pattern, special_tokens, num_threads, errors, show_progress)
     return _train(word_counts, vocab_size, special_tokens, show_progress)
 
 
-def _count_words(input_path: Any, pattern: str, special_tokens: list[str], num_threads: int, errors: str,
+def _count_words(input_path: Any, pattern: Any, special_tokens: list[str], num_threads: int, errors: str,
                  show_progress: bool) -> Any:
     """Pre-token counts: a native table for the named patterns (no dict of bytes), else a dict."""
     start = time.perf_counter()
