@@ -170,3 +170,38 @@ def test_shard_ranges_while_another_thread_writes_the_layout():
         layout.param_end.copy_(full_end)
 
     _race_with_writer(lambda: buckets.shard_ranges(layout, 8, num_threads=1), flip, 100)
+
+
+def test_progress_bars_on_a_terminal_leave_no_thread(tmp_path):
+    """tqdm's monitor thread outlives its bars; the bars shown on a terminal must not start it."""
+    import pty
+    import sys
+
+    code = (
+        "import os, sys, threading\n"
+        "from trainfast import bpe\n"
+        "before = (len(threading.enumerate()), len(os.listdir('/proc/self/task')))\n"
+        "bpe.train_bpe(iter(['hello world ' * 1000]), 300, show_progress=True)\n"
+        "bpe.count_pretokens(iter(['hello world ' * 1000]), show_progress=True)\n"
+        "after = (len(threading.enumerate()), len(os.listdir('/proc/self/task')))\n"
+        "print('\\nTHREADS', before == after, after)\n"
+    )
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stderr is the pty, so the bars are tqdm's
+        os.execv(sys.executable, [sys.executable, "-c", code])
+    out = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            out += chunk
+    except OSError:  # the pty closes when the child exits
+        pass
+    os.waitpid(pid, 0)
+    lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("THREADS")]
+    assert lines and lines[0].startswith("THREADS True"), out.decode(errors="replace")[-2000:]
+
+
+def test_train_bpe_logs_nothing_without_progress(caplog):
+    with caplog.at_level("DEBUG", logger="trainfast"):
+        bpe.train_bpe(iter(["hello world " * 100]), 300, show_progress=False)
+        bpe.train_from_counts({b"ab": 3, b"abc": 2}, 260, show_progress=False)
+    assert caplog.records == []

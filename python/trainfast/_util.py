@@ -79,6 +79,20 @@ def resolve_num_threads(num_threads: int | None) -> int:
     return check_int(num_threads, "num_threads", min_value=1, max_value=MAX_NUM_THREADS)
 
 
+_BAR_TYPE: Any = None
+
+
+def progress_bar(**kwargs: Any) -> Any:
+    """A tqdm bar that starts no monitor thread: tqdm's monitor outlives the bar, and the call that
+    showed it would leave a thread running."""
+    global _BAR_TYPE
+    if _BAR_TYPE is None:
+        from tqdm import tqdm
+
+        _BAR_TYPE = type("_TrainfastBar", (tqdm,), {"monitor_interval": 0})
+    return _BAR_TYPE(**kwargs)
+
+
 def check_has_data(tensor: Any, name: str) -> None:
     """ValueError for a tensor on the meta device, which has a shape but no values to plan with;
     TypeError for a sparse (or other non-strided) tensor, which has no dense values to read."""

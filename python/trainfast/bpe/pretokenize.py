@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
-from trainfast._util import check_choice, resolve_num_threads
+from trainfast._util import check_choice, progress_bar, resolve_num_threads
 
 __all__ = ["PATTERNS", "count_pretokens", "pretokenize"]
 
@@ -208,9 +208,7 @@ class _Progress:
         self.last_log = time.monotonic()
         self.total = total
         if enabled and sys.stderr is not None and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="pre-tokenizing")
+            self.bar = progress_bar(total=total, unit="B", unit_scale=True, desc="pre-tokenizing")
 
     def update_to(self, done_in_current: int) -> None:
         self._set(self.base + done_in_current)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Union
 
-from trainfast._util import check_choice, check_int, resolve_num_threads
+from trainfast._util import check_choice, check_int, progress_bar, resolve_num_threads
 from trainfast.bpe.pretokenize import _check_special_tokens, count_pretokens
 
 __all__ = ["train_bpe", "train_from_counts"]
@@ -80,7 +80,8 @@ def _count_words(input_path: Any, pattern: Any, special_tokens: list[str], num_t
         show_progress=show_progress,
         _native_table=True,
     )
-    _log.info("bpe: %s unique pre-tokens in %.2f s", f"{len(word_counts):,}", time.perf_counter() - start)
+    if show_progress:
+        _log.info("bpe: %s unique pre-tokens in %.2f s", f"{len(word_counts):,}", time.perf_counter() - start)
     return word_counts
 
 
@@ -114,7 +115,8 @@ def _train(word_counts: Any, vocab_size: int, special_tokens: list[str], show_pr
             merges = _core.bpe_train_merges(word_counts, num_merges, progress.update)
         else:
             merges = _core.bpe_train_merges_table(word_counts, num_merges, progress.update)
-    _log.info("bpe: %d merges in %.2f s", len(merges), time.perf_counter() - start)
+    if show_progress:
+        _log.info("bpe: %d merges in %.2f s", len(merges), time.perf_counter() - start)
 
     vocab: Vocab = {b: bytes([b]) for b in range(256)}
     for token in special_tokens:
@@ -142,9 +144,7 @@ class _Progress:
         self.bar = None
         self.last_log = time.monotonic()
         if enabled and sys.stderr is not None and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit=f" {unit}", desc="bpe", leave=False)
+            self.bar = progress_bar(total=total, unit=f" {unit}", desc="bpe", leave=False)
 
     def __enter__(self) -> _Progress:
         return self

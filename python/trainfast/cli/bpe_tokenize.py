@@ -154,9 +154,9 @@ def _encode_command(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     bar = None
     if not args.no_progress and sys.stderr is not None and sys.stderr.isatty():
-        from tqdm import tqdm
+        from trainfast._util import progress_bar
 
-        bar = tqdm(total=size, unit="B", unit_scale=True, desc="bpe encode", leave=False)
+        bar = progress_bar(total=size, unit="B", unit_scale=True, desc="bpe encode", leave=False)
     last_log = time.monotonic()
 
     def on_progress(bytes_read: int) -> None:
