@@ -74,6 +74,25 @@ def test_shard_ranges(sigint_repeatedly, big_layout):
     _assert_stops_cleanly(sigint_repeatedly, lambda: buckets.shard_ranges(big_layout, 16_384, num_threads=2))
 
 
+def test_plan_layout(sigint_repeatedly):
+    # 20M params in one bucket each: seconds of the one serial pass.
+    numels = np.ones(20_000_000, dtype=np.int64)
+    _assert_stops_cleanly(sigint_repeatedly,
+                          lambda: buckets.plan_layout(numels, bucket_size=1, data_parallel_world_size=1))
+
+
+def test_eplb_helpers(sigint_repeatedly):
+    from trainfast.eplb import _descending_order, _helper_weight
+
+    weight = torch.rand(4000, 2048, generator=torch.Generator().manual_seed(0))
+    eplb.replicate_experts(weight, 2048, num_threads=1)  # no replicas: quick; starts torch's own thread pool
+    _assert_stops_cleanly(sigint_repeatedly, lambda: eplb.replicate_experts(weight, 32768, num_threads=1))
+    # balanced_packing's native part (the public call sorts with torch first, which Ctrl-C waits for).
+    packed, native = _helper_weight(torch.rand(20000, 2048, generator=torch.Generator().manual_seed(1)))
+    order = _descending_order(packed)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: _core.eplb_balanced_packing(native, order, 256, 1))
+
+
 def test_rebalance_experts(sigint_repeatedly):
     weight = torch.rand(60_000, 256, generator=torch.Generator().manual_seed(0))
     eplb.rebalance_experts(weight[:2000], 288, 8, 4, 32, num_threads=2)  # starts torch's own thread pool

@@ -38,11 +38,13 @@ py::tuple plan_layout(const CArray<int64_t>& numels, const CArray<uint8_t>& shar
   const std::span<const int64_t> numels_span(numels_copy);
   const std::span<const uint8_t> shared_span(shared_copy);
   buckets::Layout layout;
+  Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
     layout = buckets::plan_layout(
         numels_span, shared_span,
-        {bucket_size, data_parallel_world_size, use_distributed_optimizer, pad_buckets_for_high_nccl_busbw});
+        {bucket_size, data_parallel_world_size, use_distributed_optimizer, pad_buckets_for_high_nccl_busbw},
+        &interrupt);
   }
   const auto num_buckets = static_cast<py::ssize_t>(layout.per_bucket_numel_unpadded.size());
   return py::make_tuple(to_numpy(std::move(layout.param_start)), to_numpy(std::move(layout.param_end)),

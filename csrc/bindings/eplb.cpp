@@ -109,16 +109,18 @@ py::tuple balanced_packing_typed(const py::array& weight_any, const CArray<int64
   if (order.ndim() != 2 || order.shape(0) != rows || order.shape(1) != items) {
     throw py::value_error("order must have the shape of weight");
   }
-  std::vector<int64_t> pack_index(rows * items), rank_in_pack(rows * items);
+  // Uninitialized (the core writes every entry): zeroing gigabytes up front held the GIL and Ctrl-C.
+  eplb::Buffer<int64_t> pack_index(rows * items), rank_in_pack(rows * items);
   const std::vector<T> weight_copy = snapshot(flat(weight));
   const std::vector<int64_t> order_copy = snapshot(flat(order));
+  Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
     eplb::balanced_packing<T>(weight_copy, rows, items, order_copy, num_packs, pack_index, rank_in_pack,
-                              num_threads);
+                              num_threads, &interrupt);
   }
-  return py::make_tuple(to_numpy(std::move(pack_index), {rows, items}),
-                        to_numpy(std::move(rank_in_pack), {rows, items}));
+  return py::make_tuple(buffer_to_numpy(std::move(pack_index), {rows, items}),
+                        buffer_to_numpy(std::move(rank_in_pack), {rows, items}));
 }
 
 py::tuple balanced_packing(const py::array& weight, const CArray<int64_t>& order, int64_t num_packs,
@@ -138,14 +140,15 @@ py::tuple replicate_experts_typed(const py::array& weight_any, int64_t num_phy, 
   if (num_phy < num_log) throw py::value_error("num_phy must be >= the number of logical experts");
   check_output_fits("replicate_experts: phy2log and rank of rows x num_phy slots",
                     checked_mul(rows, num_phy).value_or(INT64_MAX), 2 * sizeof(int64_t));
-  std::vector<int64_t> phy2log(rows * num_phy), rank(rows * num_phy), logcnt(rows * num_log);
+  eplb::Buffer<int64_t> phy2log(rows * num_phy), rank(rows * num_phy), logcnt(rows * num_log);  // all written
   const std::vector<T> weight_copy = snapshot(flat(weight));
+  Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
-    eplb::replicate_experts<T>(weight_copy, rows, num_log, num_phy, phy2log, rank, logcnt, num_threads);
+    eplb::replicate_experts<T>(weight_copy, rows, num_log, num_phy, phy2log, rank, logcnt, num_threads, &interrupt);
   }
-  return py::make_tuple(to_numpy(std::move(phy2log), {rows, num_phy}), to_numpy(std::move(rank), {rows, num_phy}),
-                        to_numpy(std::move(logcnt), {rows, num_log}));
+  return py::make_tuple(buffer_to_numpy(std::move(phy2log), {rows, num_phy}),
+                        buffer_to_numpy(std::move(rank), {rows, num_phy}), buffer_to_numpy(std::move(logcnt), {rows, num_log}));
 }
 
 py::tuple replicate_experts(const py::array& weight, int64_t num_phy, int num_threads) {

@@ -81,7 +81,7 @@ int64_t bucket_end_divisor(int64_t data_parallel_world_size, bool pad_for_high_n
 }
 
 Layout plan_layout(std::span<const int64_t> numels, std::span<const uint8_t> shared_embedding,
-                   const LayoutOptions& options) {
+                   const LayoutOptions& options, Interrupt* interrupt) {
   const int64_t dp = options.data_parallel_world_size;
   TF_CHECK_ARG(dp > 0, "data_parallel_world_size", dp, "must be positive");
   if (options.bucket_size) {
@@ -117,6 +117,7 @@ Layout plan_layout(std::span<const int64_t> numels, std::span<const uint8_t> sha
   };
   for (size_t k = 0; k < n; ++k) {
     const size_t i = n - 1 - k;  // reverse model order roughly follows backprop
+    if (interrupt != nullptr && (k & 0xFFFF) == 0) interrupt->check();  // tens of millions of params: seconds
     if (distopt) param_start = pad_to_divisor(param_start, kParamAlign);
     const bool alone = distopt && !shared_embedding.empty() && shared_embedding[i] != 0;
     if (alone && params_in_bucket > 0) param_start = close_bucket(param_start);

@@ -34,7 +34,7 @@ struct Layout {
 // numels[i] >= 0 is param i's element count (model order); shared_embedding is empty or has one
 // flag per param. Params are laid out in reverse (backprop) order as Megatron does.
 Layout plan_layout(std::span<const int64_t> numels, std::span<const uint8_t> shared_embedding,
-                   const LayoutOptions& options);
+                   const LayoutOptions& options, Interrupt* interrupt = nullptr);
 
 // Megatron's `_pad`: ceil(value / divisor) * divisor with the quotient rounded to a float as
 // Python's division rounds it (equal to exact integer rounding below 2**53, not always above).

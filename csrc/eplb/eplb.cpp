@@ -882,7 +882,7 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
 template <typename Value>
 void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t num_items,
                       std::span<const int64_t> order, int64_t num_packs, std::span<int64_t> pack_index,
-                      std::span<int64_t> rank_in_pack, int num_threads) {
+                      std::span<int64_t> rank_in_pack, int num_threads, Interrupt* interrupt) {
   TF_CHECK_ARG(num_packs > 0, "num_packs", num_packs, "must be positive");
   TF_CHECK_ARG(num_items % num_packs == 0, "num_packs", num_packs, "must divide the number of items");
   TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == num_rows * num_items, "weight", weight.size(),
@@ -894,6 +894,7 @@ void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t n
     if constexpr (std::is_same_v<Value, float>) {
       FloatPackScratch scratch;
       for (int64_t row = begin; row < end; ++row) {
+        if (interrupt != nullptr) interrupt->check();  // a block is a quarter of a thread's rows
         pack_rows_float<1, false>(weight.data() + row * num_items, order.data() + row * num_items, num_items, num_packs,
                            pack_index.data() + row * num_items, rank_in_pack.data() + row * num_items, scratch,
                            "order");
@@ -901,19 +902,20 @@ void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t n
     } else {
       PackHeap<AccOf<Value>> heap;
       for (int64_t row = begin; row < end; ++row) {
+        if (interrupt != nullptr) interrupt->check();
         pack_row(weight.data() + row * num_items, order.data() + row * num_items, num_items, num_packs,
                  pack_index.data() + row * num_items, rank_in_pack.data() + row * num_items, heap);
       }
     }
   };
   const int threads = effective_threads(num_threads, num_rows * num_items);
-  parallel_for(num_rows, std::max<int64_t>(1, num_rows / (4 * threads)), threads, body);
+  parallel_for(num_rows, std::max<int64_t>(1, num_rows / (4 * threads)), threads, body, interrupt);
 }
 
 template <typename Value>
 void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t num_log, int64_t num_phy,
                        std::span<int64_t> phy2log, std::span<int64_t> rank, std::span<int64_t> logcnt,
-                       int num_threads) {
+                       int num_threads, Interrupt* interrupt) {
   TF_CHECK_ARG(num_log > 0, "weight", num_log, "must have at least one expert (columns)");
   TF_CHECK_ARG(num_phy >= num_log, "num_phy", num_phy, "must be >= the number of logical experts");
   TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == num_rows * num_log, "weight", weight.size(),
@@ -924,6 +926,7 @@ void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t 
   auto body = [&](int64_t begin, int64_t end) {
     std::conditional_t<std::is_same_v<QuotientOf<Value>, float>, FloatReplicaHeap<false>, ReplicaHeap<double>> heap;
     for (int64_t row = begin; row < end; ++row) {
+      if (interrupt != nullptr) interrupt->check();  // a block is a quarter of a thread's rows
       int64_t* row_phy2log = phy2log.data() + row * num_phy;
       int64_t* row_rank = rank.data() + row * num_phy;
       for (int64_t e = 0; e < num_log; ++e) {
@@ -940,14 +943,15 @@ void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t 
     }
   };
   const int threads = effective_threads(num_threads, num_rows * num_phy);
-  parallel_for(num_rows, std::max<int64_t>(1, num_rows / (4 * threads)), threads, body);
+  parallel_for(num_rows, std::max<int64_t>(1, num_rows / (4 * threads)), threads, body, interrupt);
 }
 
 #define TF_EPLB_INSTANTIATE(T)                                                                       \
   template void balanced_packing<T>(std::span<const T>, int64_t, int64_t, std::span<const int64_t>, \
-                                    int64_t, std::span<int64_t>, std::span<int64_t>, int);          \
+                                    int64_t, std::span<int64_t>, std::span<int64_t>, int, Interrupt*); \
   template void replicate_experts<T>(std::span<const T>, int64_t, int64_t, int64_t,                 \
-                                     std::span<int64_t>, std::span<int64_t>, std::span<int64_t>, int);
+                                     std::span<int64_t>, std::span<int64_t>, std::span<int64_t>, int,  \
+                                     Interrupt*);
 template bool int_loads<int64_t>(std::span<const int64_t>, int64_t, int64_t, int64_t, std::span<float>,
                                   std::span<float>);
 template bool int_loads<int32_t>(std::span<const int32_t>, int64_t, int64_t, int64_t, std::span<float>,

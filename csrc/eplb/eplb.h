@@ -94,14 +94,14 @@ Placement place(const Replication& replication, std::span<const int64_t> replica
 template <typename Value>
 void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t num_items,
                       std::span<const int64_t> order, int64_t num_packs, std::span<int64_t> pack_index,
-                      std::span<int64_t> rank_in_pack, int num_threads);
+                      std::span<int64_t> rank_in_pack, int num_threads, Interrupt* interrupt = nullptr);
 
 // Per-replica loads are compared as Quotient (float for float32 and integer weights, as torch's
 // true division; double for float64).
 template <typename Value>
 void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t num_log, int64_t num_phy,
                        std::span<int64_t> phy2log, std::span<int64_t> rank, std::span<int64_t> logcnt,
-                       int num_threads);
+                       int num_threads, Interrupt* interrupt = nullptr);
 
 // Checks that every row of order [num_rows, n] is a permutation of 0..n-1 ("name" for errors).
 void check_order(std::span<const int64_t> order, int64_t num_rows, int64_t n, const char* name);
