@@ -145,10 +145,12 @@ py::tuple replicate_experts_typed(const py::array& weight_any, int64_t num_phy, 
   Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
-    eplb::replicate_experts<T>(weight_copy, rows, num_log, num_phy, phy2log, rank, logcnt, num_threads, &interrupt);
+    eplb::replicate_experts<T>(weight_copy, rows, num_log, num_phy, phy2log, rank, logcnt, num_threads,
+                               &interrupt);
   }
   return py::make_tuple(buffer_to_numpy(std::move(phy2log), {rows, num_phy}),
-                        buffer_to_numpy(std::move(rank), {rows, num_phy}), buffer_to_numpy(std::move(logcnt), {rows, num_log}));
+                        buffer_to_numpy(std::move(rank), {rows, num_phy}),
+                        buffer_to_numpy(std::move(logcnt), {rows, num_log}));
 }
 
 py::tuple replicate_experts(const py::array& weight, int64_t num_phy, int num_threads) {

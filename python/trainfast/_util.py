@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import stat
@@ -79,18 +80,17 @@ def resolve_num_threads(num_threads: int | None) -> int:
     return check_int(num_threads, "num_threads", min_value=1, max_value=MAX_NUM_THREADS)
 
 
-_BAR_TYPE: Any = None
+@functools.lru_cache(maxsize=None)
+def _bar_type() -> Any:
+    from tqdm import tqdm
+
+    return type("_TrainfastBar", (tqdm,), {"monitor_interval": 0})
 
 
 def progress_bar(**kwargs: Any) -> Any:
     """A tqdm bar that starts no monitor thread: tqdm's monitor outlives the bar, and the call that
     showed it would leave a thread running."""
-    global _BAR_TYPE
-    if _BAR_TYPE is None:
-        from tqdm import tqdm
-
-        _BAR_TYPE = type("_TrainfastBar", (tqdm,), {"monitor_interval": 0})
-    return _BAR_TYPE(**kwargs)
+    return _bar_type()(**kwargs)
 
 
 def check_has_data(tensor: Any, name: str) -> None:

@@ -91,15 +91,14 @@ def _is_regex_pattern(compiled: Any) -> bool:
     return isinstance(compiled, type(regex.compile("")))
 
 
-def _pieces_pattern(compiled: Any) -> Any:
-    """``compiled``, refused where its ``findall`` gives tuples (two or more capturing groups), which
+def _check_pieces_pattern(compiled: Any) -> None:
+    """Refuses a fallback pattern whose ``findall`` gives tuples (two or more capturing groups), which
     are not pre-tokens: a ValueError here, not an AttributeError deep in counting or encoding."""
     if compiled is not None and getattr(compiled, "groups", 0) >= 2:
         raise ValueError(
             f"pattern has {compiled.groups} capturing groups, so findall returns tuples, not pre-tokens; "
             f"use non-capturing groups (?:...) (got {compiled.pattern!r})"
         )
-    return compiled
 
 
 def _default_flags(compiled: Any) -> bool:
@@ -277,7 +276,7 @@ def count_pretokens(
         ``_core.BpeWordTable`` instead for the named patterns, for ``train_bpe``.)
     """
     native_id, compiled = _resolve_pattern(pattern)
-    _pieces_pattern(compiled)
+    _check_pieces_pattern(compiled)
     tokens = _check_special_tokens(special_tokens, unique=False)
     threads = resolve_num_threads(num_threads)
     check_choice(errors, "errors", _ERRORS)
@@ -356,15 +355,20 @@ def _count_text(counts: Counter, text: str, compiled: Any, tokens: Sequence[str]
             counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
 
 
+def _decode_error(name: str, error: UnicodeDecodeError, offset: int) -> ValueError:
+    """The native path's message for invalid UTF-8 at byte ``offset`` of ``name``."""
+    return ValueError(
+        f"{name}: invalid UTF-8 at byte offset {offset}: 'utf-8' codec can't decode byte "
+        f"0x{error.object[error.start]:02x}: {error.reason} (pass errors='replace' or errors='ignore' to decode anyway)"
+    )
+
+
 def _decode(raw: bytes, errors: str, name: str) -> str:
     """Python text mode's decoding (universal newlines), with the native path's error message."""
     try:
         text = raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{name}: invalid UTF-8 at byte offset {error.start}: 'utf-8' codec can't decode byte "
-            f"0x{raw[error.start]:02x}: {error.reason} (pass errors='replace' or errors='ignore' to decode anyway)"
-        ) from None
+        raise _decode_error(name, error, error.start) from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 

@@ -59,7 +59,7 @@ class Tokenizer:
         pattern: Any = "gpt2",
     ) -> None:
         from trainfast import _core
-        from trainfast.bpe.pretokenize import _pieces_pattern, _resolve_pattern
+        from trainfast.bpe.pretokenize import _check_pieces_pattern, _resolve_pattern
 
         self._special_tokens = _check_special_tokens(special_tokens, unique=True)
         self._vocab = _check_vocab(vocab, self._special_tokens)
@@ -78,7 +78,7 @@ class Tokenizer:
             special_ids.append(self._token_to_id[token_bytes])
         self._special_ids = dict(zip(self._special_tokens, special_ids))
         self._pattern_id, self._regex = _resolve_pattern(pattern)
-        _pieces_pattern(self._regex)
+        _check_pieces_pattern(self._regex)
         self._pattern = pattern
         to_id = self._token_to_id
         merge_ids = np.array(

@@ -122,6 +122,8 @@ def _load_tokenizer(args: argparse.Namespace):
 def _decoded_chunks(path: str, errors: str, on_progress: Any) -> Iterator[str]:
     """The file's text as Python text mode reads it (UTF-8, universal newlines), in about 1 MiB
     pieces; invalid UTF-8 (errors="strict") raises a ValueError naming the file and byte offset."""
+    from trainfast.bpe.pretokenize import _decode_error
+
     inner = codecs.getincrementaldecoder("utf-8")(errors)
     decoder = io.IncrementalNewlineDecoder(inner, translate=True)
     offset = 0  # bytes read before this block
@@ -132,12 +134,7 @@ def _decoded_chunks(path: str, errors: str, on_progress: Any) -> Iterator[str]:
             try:
                 text = decoder.decode(block, final=not block)
             except UnicodeDecodeError as error:
-                at = offset - pending + error.start
-                raise ValueError(
-                    f"{path}: invalid UTF-8 at byte offset {at}: 'utf-8' codec can't decode byte "
-                    f"0x{error.object[error.start]:02x}: {error.reason} (pass --errors replace or --errors "
-                    f"ignore to decode anyway)"
-                ) from None
+                raise _decode_error(path, error, offset - pending + error.start) from None
             offset += len(block)
             on_progress(offset)
             if text:

@@ -53,13 +53,16 @@ def _floats(text: str, name: str) -> list[float]:
 # Options a method does not read, refused rather than ignored (the megatron, uneven and paddle plans
 # check theirs in plan_layers).
 _UNUSED = {
+    "megatron": ("layout",),
+    "uneven": ("layout",),
+    "paddle": ("layout",),
     "layout": ("first", "last", "account_for_embedding", "account_for_loss", "stage_ids"),
     "balanced": ("first", "last", "account_for_embedding", "account_for_loss", "stage_ids", "layout"),
 }
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    for name in _UNUSED.get(args.method, ("layout",)):
+    for name in _UNUSED[args.method]:
         if getattr(args, name) not in (None, False):
             raise ValueError(f"--{name.replace('_', '-')} is not used by --method {args.method}")
 
