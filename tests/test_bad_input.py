@@ -512,6 +512,7 @@ CASES += [
     Case("trainfast bpe train (CLI)", "zero", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "300", "--threads", "0", "--out", str(_dir() / "o")), ValueError, "threads"),
     Case("trainfast bpe count (CLI)", "missing/unreadable file", lambda: _cli("bpe", "count", "/nonexistent/c.txt", "--out", str(_dir() / "c.tfwc")), ValueError, "c.txt"),
     Case("trainfast bpe encode (CLI)", "missing/unreadable file", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir() / "ids.npy")), ValueError, "nonexistent"),
+    Case("trainfast bpe encode (CLI)", "wrong value", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir() / "ids.npy"), "--errors", "bogus"), ValueError, "--errors"),
     Case("trainfast bpe export (CLI)", "missing/unreadable file", lambda: _cli("bpe", "export", "--tokenizer", "/nonexistent/tok", "--hf", str(_dir() / "t.json")), ValueError, "nonexistent"),
     Case("trainfast pretokenize (CLI)", "invalid UTF-8", lambda: _cli("pretokenize", _file("c.txt", b"ok \xff")), ValueError, "byte offset 3"),
     Case("trainfast pretokenize (CLI)", "missing/unreadable file", lambda: _cli("pretokenize", "/nonexistent/c.txt"), ValueError, "c.txt"),
