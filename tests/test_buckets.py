@@ -515,6 +515,24 @@ def test_megatron_partition_buckets_with_and_without_patch(megatron_cpu):
         buckets.partition_buckets([buf_b, buf_a, buf_b])
 
 
+def test_partition_buckets_of_an_unknown_form_is_left_to_upstream(monkeypatch):
+    from megatron.core.distributed import distributed_data_parallel as ddp_module
+
+    from trainfast.integrations import megatron
+
+    def upstream(buffers, force_single_bucket_group=False, some_new_option=None):
+        return "upstream's"
+
+    monkeypatch.setattr(ddp_module, "partition_buckets", upstream)
+    patched = megatron.patch()
+    try:
+        assert f"{ddp_module.__name__}.partition_buckets" not in patched
+        assert ddp_module.partition_buckets is upstream
+    finally:
+        megatron.unpatch()
+    assert ddp_module.partition_buckets is upstream
+
+
 def test_patch_is_reversible():
     from megatron.core.distributed import param_and_grad_buffer as pgb
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

@@ -4,6 +4,7 @@ real megatron-core, exact optimality of balanced_layout against brute force, and
 from __future__ import annotations
 
 import contextlib
+import importlib
 import random
 import re
 import subprocess
@@ -670,3 +671,43 @@ def test_megatron_integration_patches_the_pipeline_functions(mcore):
     finally:
         integration.unpatch()
     assert transformer_block.get_num_layers_to_build is mcore.num_layers_to_build
+
+
+def _upstream_0_12(config):  # megatron-core 0.12's form: the ranks come from parallel_state
+    return 0
+
+
+def _upstream_0_14(config, vp_stage=None):  # 0.14's form: vp_stage, no pp_rank
+    return 0
+
+
+@pytest.mark.parametrize("upstream_function, version", [
+    (_upstream_0_12, None), (_upstream_0_14, None), (None, "0.15.0"), (None, "unknown"),
+])
+def test_megatron_integration_keeps_pipeline_functions_of_older_releases(mcore, monkeypatch, upstream_function,
+                                                                         version):
+    """Releases before 0.16 call these functions another way (0.12: config only; 0.14: no pp_rank) or
+    accept splits that the drop-ins, validating as 0.16's TransformerConfig does, refuse (0.15: two
+    middle stages with no layers); patch() keeps upstream's there."""
+    from megatron.core import package_info
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    from trainfast.integrations import megatron as integration
+
+    if upstream_function is not None:  # in every module that patch() would swap it in
+        for target in integration.patcher.targets:
+            if target.attribute in ("get_num_layers_to_build", "get_transformer_layer_offset"):
+                with contextlib.suppress(Exception):
+                    monkeypatch.setattr(importlib.import_module(target.module), target.attribute, upstream_function)
+    if version is not None:
+        monkeypatch.setattr(package_info, "__version__", version)
+    kept = (transformer_block.get_num_layers_to_build, transformer_layer.get_transformer_layer_offset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patched = integration.patch()
+    try:
+        assert not [name for name in patched if name.endswith(("get_num_layers_to_build", "get_transformer_layer_offset"))]
+        assert (transformer_block.get_num_layers_to_build, transformer_layer.get_transformer_layer_offset) == kept
+        assert any(name.endswith("_split_by_size_and_type") for name in patched)  # the rest still patched
+    finally:
+        integration.unpatch()

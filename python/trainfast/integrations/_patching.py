@@ -115,6 +115,11 @@ class Patcher:
                 wrapper = type(original) if isinstance(original, (classmethod, staticmethod)) else None
                 function = original.__func__ if wrapper is not None else original
                 replacement = target.make_replacement(function)
+                if replacement is None:
+                    # a form of upstream's function (another release) whose semantics trainfast does not reproduce
+                    logger.info("keeping upstream's %s.%s: trainfast has no drop-in for this form of it",
+                                target.module, target.attribute)
+                    continue
                 functools.update_wrapper(replacement, function)
                 replacement.__trainfast_original__ = function
                 installed = wrapper(replacement) if wrapper is not None else replacement

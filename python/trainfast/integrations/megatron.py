@@ -72,8 +72,7 @@ def _partition_buckets(original):
             return buckets.partition_buckets(buffers, force_single_bucket_group, require_distinct_param_dtypes=True)
 
         return replacement
-    # A form whose semantics trainfast does not reproduce: keep upstream.
-    return lambda *args, **kwargs: original(*args, **kwargs)
+    return None  # a form whose semantics trainfast does not reproduce: keep upstream
 
 
 def _build_model_gbuf_range(original):
@@ -156,10 +155,32 @@ unpatch = patcher.unpatch
 is_patched = patcher.is_patched
 
 
-# Pipeline layer split: upstream's function and the modules that import it by name.
+def _megatron_release() -> tuple[int, int]:
+    """(major, minor) of the installed megatron-core; (0, 0) when it cannot be told."""
+    import re
+
+    try:
+        from megatron.core import package_info
+
+        match = re.match(r"(\d+)\.(\d+)", str(package_info.__version__))
+    except Exception:  # an install without package_info: treat as too old to patch
+        return (0, 0)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+# Pipeline layer split: upstream's function and the modules that import it by name. Swapped only on
+# megatron-core >= 0.16 (with its (config, vp_stage, pp_rank) form): the drop-ins validate splits as
+# 0.16's TransformerConfig does, while older releases accept splits it refuses (0.15: no middle
+# layers for middle stages) or read the ranks from parallel_state (0.12: no vp_stage argument).
 def _pipeline_drop_in(name):
     def make(original):
+        import inspect
+
         from trainfast import pipeline
+
+        if list(inspect.signature(original).parameters) != ["config", "vp_stage", "pp_rank"] or \
+                _megatron_release() < (0, 16):
+            return None
 
         drop_in = getattr(pipeline, name)
 
