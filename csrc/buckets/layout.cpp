@@ -69,6 +69,11 @@ int64_t pad_to_divisor(int64_t value, int64_t divisor) {
   const double quotient = std::ceil(divide_as_python(value, divisor));
   const auto padded = quotient < 0x1p63 ? checked_mul(static_cast<int64_t>(quotient), divisor) : std::nullopt;
   TF_CHECK_ARG(padded.has_value(), "numels", value, "sum too large: padded buffer overflows int64");
+  // Past 2^53 the float quotient can round down: upstream then places the next param or bucket
+  // over the end of this one. Refused rather than returned as a layout whose views overlap.
+  TF_CHECK_ARG(*padded >= value, "numels", value,
+               "sum too large: an offset past 2^53 rounds below itself in Megatron's float padding "
+               "(the layout would overlap)");
   return *padded;
 }
 

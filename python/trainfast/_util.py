@@ -147,6 +147,8 @@ def as_array(
             raise ValueError(f"{name} must be a rectangular sequence of numbers ({error})") from None
         if value.size == 0:
             value = value.astype(dtype)
+        if value.dtype == object and kind == "int":
+            check_ints_fit_int64(value, name)
     if value.dtype.kind not in _KINDS[kind]:
         raise TypeError(f"{name} must have {_ARTICLE[kind]} {kind} dtype (got {value.dtype})")
     if ndim is not None and value.ndim != ndim:
@@ -158,6 +160,19 @@ def as_array(
         # A flag is "nonzero", not its low byte (256 must not become False).
         value = (value != 0).astype(target) if kind == "bool" else value.astype(target)
     return np.ascontiguousarray(value)
+
+
+def check_ints_fit_int64(values: np.ndarray, name: str) -> None:
+    """ValueError naming the first Python int of an object array that int64 cannot hold (NumPy
+    falls back to object dtype for it, which would otherwise be reported as a wrong dtype)."""
+    import numpy as np
+
+    for index in np.ndindex(values.shape):
+        item = values[index]
+        if isinstance(item, int) and not isinstance(item, bool) and not -(2**63) <= item < 2**63:
+            where = "[" + ", ".join(map(str, index)) + "]"
+            shown = item if item.bit_length() <= 256 else f"an int of {item.bit_length()} bits"
+            raise ValueError(f"{name}{where} does not fit in int64 (got {shown})")
 
 
 def to_tensor(array: np.ndarray) -> Any:

@@ -994,6 +994,7 @@ def materialize(
                 raise ValueError(f"shapes[{i}] has {math.prod(shape)} elements but the layout holds {numel}")
     if bind_main_grad and params is None:
         raise ValueError("bind_main_grad needs the params themselves as shapes")
+    _check_buffers_fit(layout.numel, [d for d in (param_dtype, grad_dtype) if d is not None], device)
     param_data = torch.zeros(layout.numel, dtype=param_dtype, device=device) if param_dtype is not None else None
     grad_data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
     starts = param_start.tolist()
@@ -1002,6 +1003,46 @@ def materialize(
         start, end = starts[i], starts[i] + numels[i]
         grad_views.append(grad_data[start:end].view(shape_list[i]))
         param_views.append(param_data[start:end].view(shape_list[i]) if param_data is not None else None)
-        if bind_main_grad:
-            params[i].main_grad = grad_views[i]
+    if bind_main_grad:
+        _bind_main_grads(params, grad_views)
     return Materialized(param_data, grad_data, param_views, grad_views)
+
+
+def _check_buffers_fit(numel: int, dtypes: list, device: Any) -> None:
+    """ValueError, before allocating, for buffers past 2^63 bytes or the device's whole memory."""
+    import os
+
+    import torch
+
+    num_bytes = sum(numel * dtype.itemsize for dtype in dtypes)
+    if num_bytes > INT64_MAX:
+        raise ValueError(f"layout.numel={numel} would need {num_bytes} bytes of param/grad buffers, over 2^63")
+    capacity = 0
+    try:
+        if device.type == "cpu":
+            capacity = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        elif device.type == "cuda" and torch.cuda.is_available():
+            capacity = torch.cuda.get_device_properties(device).total_memory
+    except (ValueError, OSError, RuntimeError, AssertionError):  # unknown: let the allocation decide
+        capacity = 0
+    if capacity and num_bytes > capacity:
+        raise ValueError(f"layout.numel={numel} would need {num_bytes / 2**30:.1f} GiB of param/grad buffers, "
+                         f"more than the {device.type} device's {capacity / 2**30:.1f} GiB of memory")
+
+
+def _bind_main_grads(params: list, grad_views: list) -> None:
+    """Sets every ``params[i].main_grad``, or none: a param that refuses it undoes the ones before."""
+    missing = object()
+    previous: list = []
+    for i, (param, view) in enumerate(zip(params, grad_views)):
+        try:
+            previous.append(param.__dict__.get("main_grad", missing))
+            param.main_grad = view
+        except Exception as error:
+            for earlier, old in zip(params[:i], previous):
+                if old is missing:
+                    del earlier.main_grad
+                else:
+                    earlier.main_grad = old
+            raise TypeError(f"shapes[{i}]: cannot set main_grad on this param "
+                            f"({type(error).__name__}: {error})") from None

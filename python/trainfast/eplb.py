@@ -37,7 +37,13 @@ import numpy as np
 import torch
 
 from trainfast import _core
-from trainfast._util import UpstreamAssertionError, check_choice, check_has_data, resolve_num_threads
+from trainfast._util import (
+    UpstreamAssertionError,
+    check_choice,
+    check_has_data,
+    check_ints_fit_int64,
+    resolve_num_threads,
+)
 
 __all__ = [
     "balanced_packing",
@@ -86,7 +92,13 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence (got {type(value).__name__})")
     try:
         return torch.tensor(value)
-    except ValueError as error:  # ragged nesting
+    except ValueError as error:  # ragged nesting, or an int past int64
+        try:
+            objects = np.array(value, dtype=object)
+        except ValueError:
+            objects = None
+        if objects is not None:
+            check_ints_fit_int64(objects, name)
         raise ValueError(f"{name} must be a rectangular nested sequence of numbers ({error})") from None
     except (TypeError, RuntimeError) as error:  # not numbers
         raise TypeError(f"{name} must be a nested sequence of numbers ({error})") from None
@@ -397,7 +409,7 @@ def gpu_loads(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> np.ndarr
     """float64 `[num_layers, num_gpus]`: each GPU's load, every replica carrying load / count.
 
     Args:
-        weight: `[num_layers, num_logical]` loads (real dtype, no NaN).
+        weight: `[num_layers, num_logical]` loads (real dtype, finite and >= 0 once made float32).
         phy2log: `[num_layers, num_physical]` integer logical expert of each slot, in ``[0, num_logical)``;
             ``num_physical`` divisible by ``num_gpus``.
         logcnt: `[num_layers, num_logical]` integer replica count of each logical expert, >= 1.
@@ -407,9 +419,10 @@ def gpu_loads(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> np.ndarr
     if tensor.dtype == torch.bool:
         raise TypeError(f"weight must have a numeric dtype (got {tensor.dtype})")
     w = _float32_cpu(tensor).numpy().astype(np.float64)
-    if np.isnan(w).any():
-        layer, expert = (int(i) for i in np.argwhere(np.isnan(w))[0])
-        raise ValueError(f"weight[{layer}, {expert}] is NaN")
+    bad = ~(np.isfinite(w) & (w >= 0))  # as rebalance_experts: an inf or negative load gives a meaningless ratio
+    if bad.any():
+        layer, expert = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"weight[{layer}, {expert}] must be a finite, non-negative load (got {w[layer, expert]})")
     p2l = _placement_table(phy2log, "phy2log")
     cnt = _placement_table(logcnt, "logcnt")
     num_gpus = _count(num_gpus, "num_gpus")

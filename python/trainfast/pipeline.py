@@ -627,10 +627,13 @@ class BalancedLayout(tuple):
 def _check_cost(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number (got {type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
+    try:
+        as_float = float(value)
+    except OverflowError:  # a Python int past float's range (its digits could pass str()'s limit)
+        raise ValueError(f"{name} must be a finite non-negative number (got an int of {int(value).bit_length()} bits)") from None
+    if not math.isfinite(as_float) or as_float < 0:
         raise ValueError(f"{name} must be a finite non-negative number (got {value})")
-    return value
+    return as_float
 
 
 def _check_layer_costs(costs: np.ndarray, embedding_cost: float, loss_cost: float) -> None:
