@@ -8,6 +8,7 @@ current.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -430,6 +431,10 @@ CASES += [
     Case("bpe.tokenizer.load_merges", "invalid UTF-8", lambda: bpe_tokenizer.load_merges(_file("m.txt", b"a \xff\n")), ValueError, r"m\.txt: not valid UTF-8"),
     Case("bpe.tokenizer.load_merges", "missing/unreadable file", lambda: bpe_tokenizer.load_merges("/nonexistent/m.txt"), OSError, "m.txt"),
     Case("bpe.Tokenizer", "wrong type", lambda: bpe.Tokenizer(_TINY_VOCAB, 5), TypeError, "merges"),
+    Case("bpe.Tokenizer", "wrong type", lambda: bpe.Tokenizer(_TINY_VOCAB, [], {"<a>", "<b>"}), TypeError, "special_tokens must be an ordered sequence"),
+    Case("bpe.Tokenizer", "wrong type", lambda: bpe.Tokenizer(_TINY_VOCAB, [], pattern=re.compile(rb"\w+")), TypeError, "pattern must be compiled from a str, not bytes"),
+    Case("bpe.Tokenizer.decode", "wrong type", lambda: _TINY_TOKENIZER.decode(bytearray(b"ab")), TypeError, "ids must be a sequence of int .got bytearray"),
+    Case("bpe.Tokenizer.from_files", "int64 overflow", lambda: bpe.Tokenizer.from_files(_file("v.json", b'{"a": ' + b"9" * 5000 + b"}"), _file("m.txt", b"")), ValueError, r"v\.json:1: id of 'a' must be an int in \[0, 2\^31\) \(got '9999999999999999\.\.\. \(5000 digits\)'\)"),
     Case("bpe.Tokenizer", "wrong dtype", lambda: bpe.Tokenizer(_TINY_VOCAB, [], [5]), TypeError, r"special_tokens\[0\]"),
     Case("bpe.Tokenizer", "empty", lambda: bpe.Tokenizer(_TINY_VOCAB, [], [""]), ValueError, r"special_tokens\[0\]"),
     Case("bpe.Tokenizer", "malformed string", lambda: bpe.Tokenizer(_TINY_VOCAB, [], pattern="gpt9"), ValueError, "pattern"),
@@ -515,6 +520,7 @@ CASES += [
     Case("trainfast bpe train (CLI)", "zero", lambda: _cli("bpe", "train", _file("c.txt", b"hello"), "--vocab-size", "300", "--threads", "0", "--out", str(_dir() / "o")), ValueError, "threads"),
     Case("trainfast bpe count (CLI)", "missing/unreadable file", lambda: _cli("bpe", "count", "/nonexistent/c.txt", "--out", str(_dir() / "c.tfwc")), ValueError, "c.txt"),
     Case("trainfast bpe encode (CLI)", "missing/unreadable file", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir() / "ids.npy")), ValueError, "nonexistent"),
+    Case("trainfast bpe encode (CLI)", "wrong value", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir()) + "/"), ValueError, "--out .* is a directory"),
     Case("trainfast bpe encode (CLI)", "wrong value", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir() / "ids.npy"), "--errors", "bogus"), ValueError, "--errors"),
     Case("trainfast bpe export (CLI)", "missing/unreadable file", lambda: _cli("bpe", "export", "--tokenizer", "/nonexistent/tok", "--hf", str(_dir() / "t.json")), ValueError, "nonexistent"),
     Case("trainfast pretokenize (CLI)", "invalid UTF-8", lambda: _cli("pretokenize", _file("c.txt", b"ok \xff")), ValueError, "byte offset 3"),
@@ -864,6 +870,27 @@ def test_written_files_get_the_usual_permissions(tmp_path):
         assert (tmp_path / "kept.txt").stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(old_mask)
+
+
+def test_bpe_encode_cli_keeps_the_old_output_when_writing_fails(tmp_path, monkeypatch):
+    """A disk that fills up while the ids are saved must not leave a truncated .npy in place of the
+    old one (np.save into the file directly did)."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    bpe.save(*bpe.train_bpe(_file("c.txt", b"low lower lowest " * 50), 270), tok)
+    text = tmp_path / "in.txt"
+    text.write_text("low lower " * 2000)
+    out = tmp_path / "ids.npy"
+    out.write_bytes(b"old ids")
+
+    def full_disk(file, array, *args, **kwargs):
+        file.write(b"\x93NUMPY partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full_disk)
+    with pytest.raises(ValueError, match="No space left"):
+        _cli("bpe", "encode", str(text), "--tokenizer", str(tok), "--out", str(out), "--no-progress")
+    assert out.read_bytes() == b"old ids" and sorted(p.name for p in tmp_path.iterdir()) == ["ids.npy", "in.txt", "tok"]
 
 
 def test_cli_output_into_a_closed_pipe_is_quiet():

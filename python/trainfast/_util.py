@@ -6,7 +6,7 @@ import functools
 import operator
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -195,9 +195,10 @@ def _umask() -> int:
     return mask
 
 
-def write_atomic(path: Any, data: bytes | str) -> None:
+def write_atomic(path: Any, data: bytes | str | Callable[[Any], None]) -> None:
     """Writes ``data`` to ``path`` through a temp file in the same directory and a rename, so readers
-    never see a half-written file (str is written as UTF-8 with "\n" newlines)."""
+    never see a half-written file (str is written as UTF-8 with "\n" newlines; a callable is given
+    the open binary file to write into, for data too large to copy into bytes first)."""
     import tempfile
     from pathlib import Path
 
@@ -211,7 +212,10 @@ def write_atomic(path: Any, data: bytes | str) -> None:
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+            if callable(payload):
+                payload(f)
+            else:
+                f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

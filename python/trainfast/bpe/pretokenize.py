@@ -21,6 +21,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Union
 
 from trainfast._util import check_choice, progress_bar, resolve_num_threads
@@ -75,6 +76,9 @@ def _resolve_pattern(pattern: Any) -> tuple[int | None, Any]:
             )
         return None, _compile(pattern)
     if hasattr(pattern, "pattern") and hasattr(pattern, "findall"):  # compiled regex / re pattern
+        if not isinstance(pattern.pattern, str):  # a bytes pattern cannot scan text
+            raise TypeError(f"pattern must be compiled from a str, not {type(pattern.pattern).__name__} "
+                            f"(got {pattern.pattern!r})")
         for known, text in PATTERNS.items():
             if pattern.pattern == text and _is_regex_pattern(pattern) and _default_flags(pattern):
                 return _NATIVE_ID[known], None
@@ -133,6 +137,10 @@ def _check_special_tokens(special_tokens: Any, *, unique: bool) -> list[str]:
         return []
     if isinstance(special_tokens, (str, bytes)):
         raise TypeError(f"special_tokens must be a sequence of str, not a single {type(special_tokens).__name__}")
+    if unique and isinstance(special_tokens, AbstractSet):
+        # their order gives the ids: a set's order changes with PYTHONHASHSEED
+        raise TypeError(f"special_tokens must be an ordered sequence of str, such as a list "
+                        f"(got a {type(special_tokens).__name__}, whose order gives different ids from run to run)")
     try:
         tokens = list(special_tokens)
     except TypeError:

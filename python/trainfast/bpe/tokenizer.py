@@ -248,7 +248,7 @@ def _clean_surrogates(text: str) -> str:
 def _id_list(ids: Any) -> Any:
     if isinstance(ids, (list, tuple)):
         return ids
-    if isinstance(ids, (str, bytes)):
+    if isinstance(ids, (str, bytes, bytearray, memoryview)):  # text or bytes, not ids
         raise TypeError(f"ids must be a sequence of int (got {type(ids).__name__})")
     if hasattr(ids, "tolist") and callable(ids.tolist):  # numpy array / torch tensor
         if hasattr(ids, "detach"):
@@ -349,7 +349,10 @@ def load_vocab(path: PathLike) -> dict[int, bytes]:
         except UnicodeDecodeError as error:
             raise ValueError(f"{path}: not valid UTF-8 at byte {error.start}") from None
     try:
-        entries = json.loads(text, object_pairs_hook=list)
+        # An id of thousands of digits would pass int()'s digit limit: kept as text for the id check.
+        entries = json.loads(text, object_pairs_hook=list,
+                             parse_int=lambda digits: int(digits) if len(digits) <= 32 else
+                             f"{digits[:16]}... ({len(digits)} digits)")
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}:{error.lineno}: malformed JSON ({error.msg}, column {error.colno})") from None
     if not isinstance(entries, list) or (entries and not isinstance(entries[0], tuple)):
