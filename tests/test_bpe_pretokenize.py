@@ -310,6 +310,21 @@ def test_count_every_safe_split_point(name, docs, specials, num_threads):
     assert counter.finish() == ref.count_pretokens(docs, name, specials)
 
 
+# Many special tokens over a few characters: they share prefixes, overlap and contain one another,
+# which the matcher's byte trie (leftmost occurrence, then the longest token there) must get right.
+prefix_sharing_specials = st.lists(st.text(alphabet="ab<|é", min_size=1, max_size=6), min_size=1, max_size=40)
+
+
+@given(text=st.text(alphabet="ab<|é x\n", max_size=200), specials=prefix_sharing_specials,
+       num_threads=st.sampled_from([1, 2, 7]))
+@settings(suppress_health_check=[HealthCheck.too_slow])
+def test_many_special_tokens_sharing_prefixes(text, specials, num_threads):
+    assert pretokenize(text, special_tokens=specials) == ref.pretokenize(text, "gpt2", specials)
+    counter = _core.BpePretokenCounter(NATIVE_ID["gpt2"], list(dict.fromkeys(specials)), 0, num_threads, chunk_bytes=1)
+    counter.add_documents([text])
+    assert counter.finish() == ref.count_pretokens([text], "gpt2", specials)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_count_every_safe_split_point_seeded(name):
     rng = random.Random(99 + NATIVE_ID[name])

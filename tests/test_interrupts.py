@@ -234,6 +234,15 @@ def test_encode_one_long_pretoken(sigint_repeatedly):
     _assert_stops_cleanly(sigint_repeatedly, lambda: tokenizer.encode("a" * (8 << 20)))
 
 
+def test_encode_searching_long_special_tokens(sigint_repeatedly):
+    # Every position of the text starts with 64 KB of the special token's prefix: the search for the
+    # next special token itself takes minutes, and polls.
+    vocab = {i: bytes([i]) for i in range(256)}
+    tokenizer = bpe.Tokenizer(vocab, [], ["a" * 65536 + "b"])
+    tokenizer.encode("a" * 10_000)
+    _assert_stops_cleanly(sigint_repeatedly, lambda: tokenizer.encode("a" * (8 << 20)))
+
+
 def test_pretokenize(sigint_repeatedly):
     code_points = np.array([ord(c) for c in "abcdéжзи中文    \n"], dtype="<u4")
     indices = np.random.default_rng(3).integers(0, len(code_points), 24 << 20)

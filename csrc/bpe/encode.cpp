@@ -399,7 +399,7 @@ void BpeEncoder::encode_with(std::string_view text, std::vector<uint32_t>& out, 
   size_t i = 0;
   while (i <= n) {
     const auto [special_start, special_length] = specials_.empty() ? std::pair<size_t, size_t>{n, 0}
-                                                                   : specials_.find(text, i);
+                                                                   : specials_.find(text, i, interrupt);
     // The special-free segment [i, special_start) goes in blocks cut where pre-tokens must break.
     while (i < special_start) {
       size_t block_end = special_start;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -1054,47 +1055,109 @@ SpecialTokenMatcher::SpecialTokenMatcher(std::vector<std::string> special_tokens
                                   std::to_string(k) + ")");
     }
   }
-  std::stable_sort(special_tokens.begin(), special_tokens.end(),
-                   [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
-  for (auto& token : special_tokens) {
-    if (std::find(tokens_.begin(), tokens_.end(), token) != tokens_.end()) continue;
-    max_length_ = std::max(max_length_, token.size());
-    const auto first = static_cast<unsigned char>(token[0]);
-    if (!first_byte_[first]) {
-      first_byte_[first] = true;
-      ++num_first_bytes_;
-      only_first_byte_ = first;
+  // A plain trie first (a map per node), then laid out flat with single-child chains folded.
+  size_t total_bytes = 0;
+  for (const std::string& token : special_tokens) total_bytes += token.size();
+  if (total_bytes >= UINT32_MAX) throw std::length_error("special tokens of 4 GiB or more in all");
+  std::vector<std::map<uint8_t, uint32_t>> children(1);
+  std::vector<bool> is_token(1, false);
+  for (const std::string& token : special_tokens) {
+    uint32_t node = 0;
+    for (const char c : token) {
+      auto [it, inserted] = children[node].try_emplace(static_cast<uint8_t>(c), static_cast<uint32_t>(children.size()));
+      if (inserted) {
+        children.emplace_back();
+        is_token.push_back(false);
+      }
+      node = it->second;
     }
-    tokens_.push_back(std::move(token));
+    is_token[node] = true;
+    max_length_ = std::max(max_length_, token.size());
+  }
+  // Breadth first (no recursion: a token of 100K bytes is a chain that deep).
+  std::vector<uint32_t> pending{0};  // plain-trie nodes, in the order of their flat nodes
+  nodes_.emplace_back();
+  for (size_t k = 0; k < pending.size(); ++k) {
+    const uint32_t from = pending[k];
+    nodes_[k].first_edge = static_cast<uint32_t>(edges_.size());
+    nodes_[k].num_edges = static_cast<uint32_t>(children[from].size());
+    nodes_[k].is_token = is_token[from];
+    for (auto [byte, next] : children[from]) {
+      const auto label_begin = static_cast<uint32_t>(labels_.size());
+      labels_.push_back(static_cast<char>(byte));
+      while (!is_token[next] && children[next].size() == 1) {
+        labels_.push_back(static_cast<char>(children[next].begin()->first));
+        next = children[next].begin()->second;
+      }
+      edge_bytes_.push_back(byte);
+      edges_.push_back({label_begin, static_cast<uint32_t>(labels_.size()) - label_begin,
+                        static_cast<uint32_t>(nodes_.size())});
+      nodes_.emplace_back();
+      pending.push_back(next);
+    }
+  }
+  for (uint32_t e = 0; e < nodes_[0].num_edges; ++e) {
+    root_edge_[edge_bytes_[e]] = e + 1;
+    ++num_first_bytes_;
+    only_first_byte_ = edge_bytes_[e];
   }
 }
 
-std::pair<size_t, size_t> SpecialTokenMatcher::find(std::string_view text, size_t from) const {
+const SpecialTokenMatcher::Edge* SpecialTokenMatcher::edge(uint32_t node, uint8_t byte) const {
+  if (node == 0) return root_edge_[byte] == 0 ? nullptr : &edges_[root_edge_[byte] - 1];
+  const Node& from = nodes_[node];
+  const uint8_t* const begin = edge_bytes_.data() + from.first_edge;
+  const uint8_t* const end = begin + from.num_edges;
+  const uint8_t* const it = from.num_edges <= 8 ? std::find(begin, end, byte) : std::lower_bound(begin, end, byte);
+  return it != end && *it == byte ? &edges_[from.first_edge + static_cast<size_t>(it - begin)] : nullptr;
+}
+
+template <typename OnToken>
+bool SpecialTokenMatcher::walk(const uint8_t* s, size_t start, size_t n, OnToken on_token) const {
+  uint32_t node = 0;
+  for (size_t j = start; j < n;) {
+    const Edge* next = edge(node, s[j]);
+    if (next == nullptr || next->label_length > n - j ||
+        std::memcmp(s + j, labels_.data() + next->label_begin, next->label_length) != 0) {
+      return false;
+    }
+    j += next->label_length;
+    node = next->node;
+    if (nodes_[node].is_token && on_token(j)) return true;
+  }
+  return false;
+}
+
+std::pair<size_t, size_t> SpecialTokenMatcher::find(std::string_view text, size_t from, Interrupt* interrupt) const {
   const size_t n = text.size();
-  if (tokens_.empty()) return {n, 0};
+  if (empty()) return {n, 0};
   const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  uint64_t num_walks = 0;
   for (size_t i = from; i < n; ++i) {
     if (num_first_bytes_ == 1) {
       const void* hit = std::memchr(s + i, only_first_byte_, n - i);
       if (hit == nullptr) return {n, 0};
       i = static_cast<const unsigned char*>(hit) - s;
-    } else if (!first_byte_[s[i]]) {
+    } else if (root_edge_[s[i]] == 0) {
       continue;
     }
-    for (const std::string& token : tokens_) {  // longest first
-      if (token.size() <= n - i && std::memcmp(s + i, token.data(), token.size()) == 0) return {i, token.size()};
-    }
+    if (interrupt != nullptr && (++num_walks & 0xFFF) == 0) interrupt->check();
+    size_t longest = 0;
+    walk(s, i, n, [&](size_t end) {
+      longest = end - i;
+      return false;
+    });
+    if (longest > 0) return {i, longest};
   }
   return {n, 0};
 }
 
 bool SpecialTokenMatcher::straddles(std::string_view text, size_t p) const {
-  for (const std::string& token : tokens_) {
-    const size_t m = token.size();
-    for (size_t k = 1; k < m && k <= p; ++k) {
-      const size_t start = p - k;
-      if (start + m <= text.size() && std::memcmp(text.data() + start, token.data(), m) == 0) return true;
-    }
+  if (empty() || p == 0) return false;
+  const auto* s = reinterpret_cast<const uint8_t*>(text.data());
+  // An occurrence covering p - 1 and p starts in [p - max_length_ + 1, p - 1] and ends past p.
+  for (size_t start = p + 1 > max_length_ ? p + 1 - max_length_ : 0; start < p; ++start) {
+    if (walk(s, start, text.size(), [&](size_t end) { return end > p; })) return true;
   }
   return false;
 }
@@ -1116,7 +1179,7 @@ std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
   size_t i = 0;
   while (i <= text.size()) {
-    const auto [special_start, special_len] = specials.find(text, i);
+    const auto [special_start, special_len] = specials.find(text, i, interrupt);
     // A long segment goes in blocks cut at safe points (same pre-tokens), polling Ctrl-C between.
     for (size_t begin = i; begin < special_start;) {
       const size_t n = special_start - begin;
@@ -1407,7 +1470,7 @@ struct PretokenCounter::Impl {
     const std::string_view text(reinterpret_cast<const char*>(chunk.data), chunk.size);
     size_t i = 0;
     while (i < chunk.size) {
-      const auto [start, len] = specials.find(text, i);
+      const auto [start, len] = specials.find(text, i, interrupt);
       count_segment<P>(chunk.data + i, start - i, table, interrupt);
       if (len == 0) break;
       i = start + len;
