@@ -544,3 +544,13 @@ def test_encode_batch_survives_the_caller_emptying_its_list(gpt2):
     texts.clear()
     worker.join()
     assert len(results[0]) == 8 and results[0][0] == expected
+
+
+def test_sparse_vocab_ids_encode_and_decode():
+    # Int objects are made only for ids in use; the ids in the gaps never appear in the output.
+    vocab = {i: bytes([i]) for i in range(256)} | {3_000_000: b"ab"}
+    tokenizer = Tokenizer(vocab, [(b"a", b"b")], ["<s>"])
+    ids = tokenizer.encode("abab<s>x")
+    assert ids == [3_000_000, 3_000_000, 3_000_001, 120] and all(type(i) is int for i in ids)
+    assert tokenizer.decode(ids) == "abab<s>x"
+    assert tokenizer.encode_batch(["ab", "<s>"], num_threads=2) == [[3_000_000], [3_000_001]]

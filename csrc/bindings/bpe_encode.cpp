@@ -133,8 +133,19 @@ class Encoder {
         token_views, span_1d(ids, "ids"), span_1d(merge_left, "merge_left"), span_1d(merge_right, "merge_right"),
         span_1d(merge_result, "merge_result"), special_views, span_1d(special_ids, "special_ids"),
         static_cast<bpe::Pattern>(pattern));
-    id_objects_.reserve(encoder_->vocab_id_limit());
-    for (size_t id = 0; id < encoder_->vocab_id_limit(); ++id) id_objects_.push_back(py::int_(id));
+    // Int objects for the ids in use only: a sparse vocab (one stray id of 10^8) made one per id up
+    // to the largest, gigabytes and seconds. Gaps stay null (to_list makes those on demand).
+    const size_t limit = encoder_->vocab_id_limit();
+    id_objects_.resize(limit);
+    uint64_t step = 0;
+    for (const auto& used : {span_1d(ids, "ids"), span_1d(special_ids, "special_ids")}) {
+      for (const int64_t id : used) {
+        check_signals_every_2_16(step++);
+        if (id >= 0 && static_cast<uint64_t>(id) < limit && !id_objects_[static_cast<size_t>(id)]) {
+          id_objects_[static_cast<size_t>(id)] = py::int_(id);
+        }
+      }
+    }
   }
 
   py::list encode(const py::handle& text) {
@@ -241,7 +252,7 @@ class Encoder {
   }
 
   std::unique_ptr<bpe::BpeEncoder> encoder_;
-  std::vector<py::object> id_objects_;  // int objects of ids 0 .. vocab_id_limit - 1
+  std::vector<py::object> id_objects_;  // int object of each id in use, by id (null in the gaps)
 };
 
 }  // namespace
