@@ -154,6 +154,13 @@ def _dir() -> Path:
 
     return Path(tempfile.mkdtemp(prefix="trainfast-bad-input-"))
 
+def _dir_holding(subdir: str) -> Path:
+    """A new temp directory with an empty directory `subdir` in it."""
+    path = _dir()
+    (path / subdir).mkdir()
+    return path
+
+
 CASES: list[Case] = [
     # --- checkpoint.split_by_size_and_type -----------------------------------------------------
     Case("checkpoint.split_by_size_and_type", "wrong type", lambda: checkpoint.split_by_size_and_type("2", []), TypeError, "bins"),
@@ -521,6 +528,8 @@ CASES += [
     Case("trainfast bpe count (CLI)", "missing/unreadable file", lambda: _cli("bpe", "count", "/nonexistent/c.txt", "--out", str(_dir() / "c.tfwc")), ValueError, "c.txt"),
     Case("trainfast bpe encode (CLI)", "missing/unreadable file", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir() / "ids.npy")), ValueError, "nonexistent"),
     Case("trainfast bpe encode (CLI)", "wrong value", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir()) + "/"), ValueError, "--out .* is a directory"),
+    Case("trainfast bpe encode (CLI)", "wrong value", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir_holding("ids.npy") / "ids")), ValueError, "--out .* is a directory"),
+    Case("pipeline.balanced_layout", "NaN/inf", lambda: pipeline.balanced_layout([1, 10**400, 3], 2), ValueError, "layer_costs holds an int too large for a float"),
     Case("trainfast bpe encode (CLI)", "wrong value", lambda: _cli("bpe", "encode", _file("t.txt", b"hi"), "--tokenizer", "/nonexistent/tok", "--out", str(_dir() / "ids.npy"), "--errors", "bogus"), ValueError, "--errors"),
     Case("trainfast bpe export (CLI)", "missing/unreadable file", lambda: _cli("bpe", "export", "--tokenizer", "/nonexistent/tok", "--hf", str(_dir() / "t.json")), ValueError, "nonexistent"),
     Case("trainfast pretokenize (CLI)", "invalid UTF-8", lambda: _cli("pretokenize", _file("c.txt", b"ok \xff")), ValueError, "byte offset 3"),

@@ -554,3 +554,12 @@ def test_sparse_vocab_ids_encode_and_decode():
     assert ids == [3_000_000, 3_000_000, 3_000_001, 120] and all(type(i) is int for i in ids)
     assert tokenizer.decode(ids) == "abab<s>x"
     assert tokenizer.encode_batch(["ab", "<s>"], num_threads=2) == [[3_000_000], [3_000_001]]
+
+
+def test_special_tokens_from_dict_keys_keep_their_order():
+    vocab = {i: bytes([i]) for i in range(256)}
+    specials = {"<b>": None, "<a>": None}
+    ids = Tokenizer(vocab, [], specials.keys()).encode("<a><b>")
+    assert ids == Tokenizer(vocab, [], list(specials)).encode("<a><b>") == [257, 256]
+    with pytest.raises(TypeError, match="ordered sequence"):
+        Tokenizer(vocab, [], set(specials))

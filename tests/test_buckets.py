@@ -578,6 +578,10 @@ def test_materialize_binds_main_grad_on_every_param_or_none():
     with pytest.raises(TypeError, match=r"shapes\[2\]: cannot set main_grad"):
         buckets.materialize(layout, params, bind_main_grad=True)
     assert not hasattr(params[0], "main_grad") and params[1].main_grad is kept
+    twice = [params[0], params[0], params[2]]  # undone last first: the first view must not stay
+    with pytest.raises(TypeError, match=r"shapes\[2\]: cannot set main_grad"):
+        buckets.materialize(buckets.plan_layout([6, 6, 3]), twice, bind_main_grad=True)
+    assert not hasattr(params[0], "main_grad")
 
 
 def test_summary_mentions_buckets_and_padding():

@@ -711,3 +711,8 @@ def test_megatron_integration_keeps_pipeline_functions_of_older_releases(mcore, 
         assert any(name.endswith("_split_by_size_and_type") for name in patched)  # the rest still patched
     finally:
         integration.unpatch()
+
+
+def test_balanced_layout_takes_python_ints_past_int64_as_costs():
+    # NumPy keeps such a list as objects; as floats they are ordinary costs.
+    assert tp.balanced_layout([1, 2**70, 3], 2) == tp.balanced_layout([1.0, float(2**70), 3.0], 2)

@@ -12,7 +12,6 @@
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <map>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -1055,45 +1054,52 @@ SpecialTokenMatcher::SpecialTokenMatcher(std::vector<std::string> special_tokens
                                   std::to_string(k) + ")");
     }
   }
-  // A plain trie first (a map per node), then laid out flat with single-child chains folded.
+  // Built from the sorted tokens, breadth first: a node stands for the tokens [lo, hi) that share
+  // its first `depth` bytes, and each edge's label is a slice of one token in labels_ (the tokens
+  // concatenated), so memory stays near the tokens' own size.
+  std::sort(special_tokens.begin(), special_tokens.end());
+  special_tokens.erase(std::unique(special_tokens.begin(), special_tokens.end()), special_tokens.end());
   size_t total_bytes = 0;
   for (const std::string& token : special_tokens) total_bytes += token.size();
   if (total_bytes >= UINT32_MAX) throw std::length_error("special tokens of 4 GiB or more in all");
-  std::vector<std::map<uint8_t, uint32_t>> children(1);
-  std::vector<bool> is_token(1, false);
+  std::vector<uint32_t> offsets;  // of each token in labels_
+  labels_.reserve(total_bytes);
   for (const std::string& token : special_tokens) {
-    uint32_t node = 0;
-    for (const char c : token) {
-      auto [it, inserted] = children[node].try_emplace(static_cast<uint8_t>(c), static_cast<uint32_t>(children.size()));
-      if (inserted) {
-        children.emplace_back();
-        is_token.push_back(false);
-      }
-      node = it->second;
-    }
-    is_token[node] = true;
+    offsets.push_back(static_cast<uint32_t>(labels_.size()));
+    labels_ += token;
     max_length_ = std::max(max_length_, token.size());
   }
-  // Breadth first (no recursion: a token of 100K bytes is a chain that deep).
-  std::vector<uint32_t> pending{0};  // plain-trie nodes, in the order of their flat nodes
+  struct Pending {
+    size_t lo, hi, depth;
+  };
+  std::vector<Pending> pending{{0, special_tokens.size(), 0}};  // pending[k]: the tokens of nodes_[k]
   nodes_.emplace_back();
   for (size_t k = 0; k < pending.size(); ++k) {
-    const uint32_t from = pending[k];
+    auto [lo, hi, depth] = pending[k];
     nodes_[k].first_edge = static_cast<uint32_t>(edges_.size());
-    nodes_[k].num_edges = static_cast<uint32_t>(children[from].size());
-    nodes_[k].is_token = is_token[from];
-    for (auto [byte, next] : children[from]) {
-      const auto label_begin = static_cast<uint32_t>(labels_.size());
-      labels_.push_back(static_cast<char>(byte));
-      while (!is_token[next] && children[next].size() == 1) {
-        labels_.push_back(static_cast<char>(children[next].begin()->first));
-        next = children[next].begin()->second;
-      }
+    if (lo < hi && special_tokens[lo].size() == depth) {  // sorted: the token ending here comes first
+      nodes_[k].is_token = true;
+      ++lo;
+    }
+    while (lo < hi) {  // one edge per next byte; the rest of [lo, hi) is longer than depth
+      const auto byte = static_cast<uint8_t>(special_tokens[lo][depth]);
+      const size_t end = static_cast<size_t>(
+          std::partition_point(special_tokens.begin() + static_cast<std::ptrdiff_t>(lo),
+                               special_tokens.begin() + static_cast<std::ptrdiff_t>(hi),
+                               [&](const std::string& token) { return static_cast<uint8_t>(token[depth]) <= byte; }) -
+          special_tokens.begin());
+      // Sorted, so the group's common prefix is that of its first and last tokens.
+      const std::string& first = special_tokens[lo];
+      const std::string& last = special_tokens[end - 1];
+      size_t shared = depth + 1;
+      while (shared < first.size() && shared < last.size() && first[shared] == last[shared]) ++shared;
       edge_bytes_.push_back(byte);
-      edges_.push_back({label_begin, static_cast<uint32_t>(labels_.size()) - label_begin,
+      edges_.push_back({offsets[lo] + static_cast<uint32_t>(depth), static_cast<uint32_t>(shared - depth),
                         static_cast<uint32_t>(nodes_.size())});
       nodes_.emplace_back();
-      pending.push_back(next);
+      pending.push_back({lo, end, shared});
+      ++nodes_[k].num_edges;
+      lo = end;
     }
   }
   for (uint32_t e = 0; e < nodes_[0].num_edges; ++e) {

@@ -48,7 +48,8 @@ class SpecialTokenMatcher {
   bool straddles(std::string_view text, size_t p) const;
 
  private:
-  // The tokens as a byte trie with each chain of single-child nodes folded into one edge: each
+  // The tokens as a byte trie with each chain of single-child nodes folded into one edge (a radix
+  // tree): each
   // position is matched by one walk, however many tokens there are (trying each token in turn cost
   // seconds per 10 MB with 2000 tokens of one prefix), and a long token's bytes are compared by
   // memcmp, not byte by byte.
@@ -72,7 +73,7 @@ class SpecialTokenMatcher {
   std::vector<Node> nodes_;           // nodes_[0]: the root
   std::vector<uint8_t> edge_bytes_;   // each edge's first byte, for the search
   std::vector<Edge> edges_;
-  std::string labels_;
+  std::string labels_;               // the tokens, sorted, one after another
   uint32_t root_edge_[256] = {};      // 1 + the root's edge for that first byte; 0: none
   size_t max_length_ = 0;
   int num_first_bytes_ = 0;

@@ -149,6 +149,13 @@ def as_array(
             value = value.astype(dtype)
         if value.dtype == object and kind == "int":
             check_ints_fit_int64(value, name)
+        elif value.dtype == object and kind == "float" and all(
+            isinstance(item, (int, float, np.number)) for item in value.flat
+        ):  # numbers, some of them Python ints past int64: as floats (anything else: the dtype check below)
+            try:
+                value = value.astype(np.float64)
+            except OverflowError:
+                raise ValueError(f"{name} holds an int too large for a float") from None
     if value.dtype.kind not in _KINDS[kind]:
         raise TypeError(f"{name} must have {_ARTICLE[kind]} {kind} dtype (got {value.dtype})")
     if ndim is not None and value.ndim != ndim:

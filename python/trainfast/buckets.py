@@ -1039,7 +1039,8 @@ def _bind_main_grads(params: list, grad_views: list) -> None:
             previous.append(param.__dict__.get("main_grad", missing))
             param.main_grad = view
         except Exception as error:
-            for earlier, old in zip(params[:i], previous):
+            # Last first: a param listed twice gets back the value it had before the first.
+            for earlier, old in reversed(list(zip(params[:i], previous))):
                 if old is missing:
                     del earlier.main_grad
                 else:

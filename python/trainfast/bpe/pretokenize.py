@@ -21,7 +21,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from collections.abc import Set as AbstractSet
 from typing import Any, Union
 
 from trainfast._util import check_choice, progress_bar, resolve_num_threads
@@ -137,8 +136,8 @@ def _check_special_tokens(special_tokens: Any, *, unique: bool) -> list[str]:
         return []
     if isinstance(special_tokens, (str, bytes)):
         raise TypeError(f"special_tokens must be a sequence of str, not a single {type(special_tokens).__name__}")
-    if unique and isinstance(special_tokens, AbstractSet):
-        # their order gives the ids: a set's order changes with PYTHONHASHSEED
+    if unique and isinstance(special_tokens, (set, frozenset)):
+        # their order gives the ids: a set's order changes with PYTHONHASHSEED (a dict's keys keep theirs)
         raise TypeError(f"special_tokens must be an ordered sequence of str, such as a list "
                         f"(got a {type(special_tokens).__name__}, whose order gives different ids from run to run)")
     try:

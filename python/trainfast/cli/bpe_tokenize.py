@@ -148,7 +148,7 @@ def _encode_command(args: argparse.Namespace) -> int:
     import numpy as np
 
     out = args.out if str(args.out).endswith(".npy") else f"{args.out}.npy"  # the name np.save writes
-    if Path(args.out).is_dir() or str(args.out).endswith(("/", os.sep)):  # fail before the work, not after it
+    if Path(out).is_dir() or str(args.out).endswith(("/", os.sep)):  # fail before the work, not after it
         raise IsADirectoryError(f"--out {str(args.out)!r} is a directory (give a file path)")
     if not Path(out).resolve().parent.is_dir():
         raise FileNotFoundError(f"--out {str(args.out)!r}: directory {str(Path(out).resolve().parent)!r} does not exist")
