@@ -47,7 +47,7 @@ class Tokenizer:
         merges: ``(left, right)`` byte pairs in creation order (rank = index); both sides and their
             concatenation must be vocab tokens.
         special_tokens: strings always encoded as one token each; one missing from ``vocab`` is
-            added with the next free id (as in CS336).
+            added with the next free id (as in CS336), so their order matters: a set is refused.
         pattern: pre-tokenizer: ``"gpt2"`` (default), ``"cl100k"``, ``"o200k"`` (native scanners)
             or another regular expression (``regex`` package, slower, ``encode_iterable`` then
             reads the whole input before yielding).

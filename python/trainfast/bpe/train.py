@@ -46,7 +46,8 @@ def train_bpe(
             documents. Files are read like Python text mode (UTF-8, universal newlines).
         vocab_size: final vocabulary size (256 bytes + specials + merges); training stops earlier
             when no pair is left.
-        special_tokens: strings split out of the text before pre-tokenization; never merged.
+        special_tokens: strings split out of the text before pre-tokenization; never merged. They
+            get ids 256, 257, ... in the order given, so a set (whose order varies) is refused.
         pattern: pre-tokenizer: ``"gpt2"`` (CS336), ``"cl100k"``, ``"o200k"``, a regex string or a
             compiled ``regex``/``re`` pattern.
         num_threads: pre-tokenizer threads (default $TRAINFAST_NUM_THREADS or all cores); the
