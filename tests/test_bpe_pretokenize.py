@@ -755,6 +755,9 @@ def _assert_ctrl_c_stops_counting(path, after_seconds: float, setup: str = "") -
     script = (
         "import os, signal, sys, threading, time\n"
         "from trainfast.bpe import count_pretokens\n"
+        # Python's Ctrl-C handler, as in a terminal: a job started in the background by a shell
+        # without job control (nohup, some CI runners) inherits SIGINT ignored, which Python keeps.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"{setup}"
         f"threading.Timer({after_seconds}, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
         "try:\n"
