@@ -202,6 +202,18 @@ def _umask() -> int:
     return mask
 
 
+def check_output_file(option: str, path: Any, written: Any = None) -> None:
+    """For a CLI, before the work: the file ``path`` given to ``option`` (``written``: the name
+    actually written, if it differs) is not a directory, and its directory exists."""
+    from pathlib import Path
+
+    target = Path(path if written is None else written)
+    if target.is_dir() or str(path).endswith(("/", os.sep)):
+        raise IsADirectoryError(f"{option} {str(path)!r} is a directory (give a file path)")
+    if not target.resolve().parent.is_dir():
+        raise FileNotFoundError(f"{option} {str(path)!r}: directory {str(target.resolve().parent)!r} does not exist")
+
+
 def write_atomic(path: Any, data: bytes | str | Callable[[Any], None]) -> None:
     """Writes ``data`` to ``path`` through a temp file in the same directory and a rename, so readers
     never see a half-written file (str is written as UTF-8 with "\n" newlines; a callable is given

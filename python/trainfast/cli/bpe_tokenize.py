@@ -10,7 +10,6 @@ import argparse
 import codecs
 import io
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -147,11 +146,10 @@ def _decoded_chunks(path: str, errors: str, on_progress: Any) -> Iterator[str]:
 def _encode_command(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from trainfast._util import check_output_file, write_atomic
+
     out = args.out if str(args.out).endswith(".npy") else f"{args.out}.npy"  # the name np.save writes
-    if Path(out).is_dir() or str(args.out).endswith(("/", os.sep)):  # fail before the work, not after it
-        raise IsADirectoryError(f"--out {str(args.out)!r} is a directory (give a file path)")
-    if not Path(out).resolve().parent.is_dir():
-        raise FileNotFoundError(f"--out {str(args.out)!r}: directory {str(Path(out).resolve().parent)!r} does not exist")
+    check_output_file("--out", args.out, out)  # fail before the work, not after it
     tokenizer = _load_tokenizer(args)
     size = Path(args.input).stat().st_size
     start = time.perf_counter()
@@ -177,8 +175,6 @@ def _encode_command(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - start
-    from trainfast._util import write_atomic
-
     write_atomic(out, lambda f: np.save(f, ids))  # a failed write keeps the old file, not a truncated one
     print(f"bpe encode: {len(ids):,} tokens from {size / 1e6:.1f} MB in {seconds:.2f} s "
           f"({size / 1e6 / max(seconds, 1e-9):.1f} MB/s) -> {out}")

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trainfast._util import check_int, write_atomic
+from trainfast._util import check_int, check_output_file, write_atomic
 
 _NAME = "eplb"
 logger = logging.getLogger("trainfast.cli.eplb")
@@ -118,10 +118,8 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
     if plot:
         _figure_class()  # fail before any work when the optional dependency is missing
     for option, out in (("--save", save), ("--plot", plot)):  # fail before the work, not after it
-        if out and Path(out).is_dir():
-            raise IsADirectoryError(f"{option} {out!r} is a directory (give a file path)")
-        if out and not Path(out).resolve().parent.is_dir():
-            raise FileNotFoundError(f"{option} {out!r}: directory {str(Path(out).resolve().parent)!r} does not exist")
+        if out:
+            check_output_file(option, out)
     weight = load_loads(loads) if loads else synthetic_loads()
     if weight.dim() != 2:
         raise ValueError(f"loads must be 2-D [layers, experts] (got shape {tuple(weight.shape)})")
