@@ -476,6 +476,43 @@ def test_cli_encode_and_export(shared_dir, tmp_path, small, capsys):
     assert hf.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False).ids == expected
 
 
+def test_cli_decode_inverts_encode_and_refuses_bad_ids(tmp_path, small, caplog):
+    from trainfast.bpe import save
+    from trainfast.cli import main
+
+    vocab, merges = small
+    save(vocab, merges, tmp_path / "tok")
+    text = f"Once upon a t\u00efme\r\n{EOT} there was\n" * 20
+    (tmp_path / "in.txt").write_bytes(text.encode())
+    tok_args = ["--tokenizer", str(tmp_path / "tok"), "--special-token", EOT]
+    assert main(["bpe", "encode", str(tmp_path / "in.txt"), *tok_args, "--out", str(tmp_path / "ids.npy"),
+                 "--no-progress"]) == 0
+    assert main(["bpe", "decode", str(tmp_path / "ids.npy"), *tok_args, "--out", str(tmp_path / "back.txt")]) == 0
+    assert (tmp_path / "back.txt").read_bytes() == text.replace("\r\n", "\n").encode()  # encode read text mode
+    # Bytes as the tokens hold them: a slice ending inside a character is not replaced.
+    ids = Tokenizer(vocab, merges, [EOT]).encode("\u00ef")
+    np.save(tmp_path / "part.npy", np.array(ids[:1], dtype=np.int64))
+    assert main(["bpe", "decode", str(tmp_path / "part.npy"), *tok_args, "--out", str(tmp_path / "part.txt")]) == 0
+    assert (tmp_path / "part.txt").read_bytes() == vocab[ids[0]]
+
+    (tmp_path / "out.txt").write_bytes(b"kept")
+    bad = {"float.npy": (np.array([1.0]), "1-D integer array"),
+           "2d.npy": (np.ones((2, 2), np.int32), "1-D integer array"),
+           "range.npy": (np.array([1, len(vocab) + 5]), f"ids[1] = {len(vocab) + 5} is not a token id"),
+           "negative.npy": (np.array([-1]), "ids[0] = -1 is not a token id"),
+           "text.npy": (None, "not a .npy file")}
+    for name, (array, message) in bad.items():
+        if array is None:
+            (tmp_path / name).write_text("1 2 3")
+        else:
+            np.save(tmp_path / name, array)
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="trainfast"):
+            assert main(["bpe", "decode", str(tmp_path / name), *tok_args, "--out", str(tmp_path / "out.txt")]) == 2
+        assert message in caplog.text, name
+        assert (tmp_path / "out.txt").read_bytes() == b"kept"  # nothing written on a refusal
+
+
 def test_cli_encode_reads_text_mode_and_names_bad_bytes(tmp_path, small, caplog):
     from trainfast.bpe import save
     from trainfast.cli import main

@@ -1,5 +1,6 @@
-"""``trainfast bpe count|encode|export`` and ``trainfast bpe train --from-counts``: count pre-tokens
-once (and add shards up), train from counts, encode files, export to HF tokenizers.
+"""``trainfast bpe count|encode|decode|export`` and ``trainfast bpe train --from-counts``: count
+pre-tokens once (and add shards up), train from counts, encode files and decode them back, export to
+HF tokenizers.
 
 Adds to the ``bpe`` subcommand that ``trainfast.cli.bpe`` registers (modules register in name order).
 """
@@ -56,6 +57,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="invalid UTF-8: fail naming the byte offset (default), replace or ignore")
     encode.add_argument("--no-progress", action="store_true", help="no progress bar")
     encode.set_defaults(handler=_encode_command)
+
+    decode = commands.add_parser("decode", help="decode token ids (.npy, as `bpe encode` writes) to a file")
+    decode.add_argument("input", help=".npy file of token ids (1-D, integer)")
+    decode.add_argument("--tokenizer", required=True, help="directory with vocab.json and merges.txt")
+    decode.add_argument("--special-token", action="append", default=[], dest="special_tokens",
+                        help="special token (repeatable), in the order given to `bpe encode`")
+    decode.add_argument("--out", required=True, help="file for the decoded bytes")
+    decode.set_defaults(handler=_decode_command)
 
     export = commands.add_parser("export", help="write a HF tokenizers tokenizer.json")
     _add_tokenizer_args(export)
@@ -178,6 +187,34 @@ def _encode_command(args: argparse.Namespace) -> int:
     write_atomic(out, lambda f: np.save(f, ids))  # a failed write keeps the old file, not a truncated one
     print(f"bpe encode: {len(ids):,} tokens from {size / 1e6:.1f} MB in {seconds:.2f} s "
           f"({size / 1e6 / max(seconds, 1e-9):.1f} MB/s) -> {out}")
+    return 0
+
+
+def _decode_command(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from trainfast._util import check_output_file, write_atomic
+
+    check_output_file("--out", args.out)  # fail before the work, not after it
+    with open(args.input, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":  # numpy would report a text file as "pickled data"
+            raise ValueError(f"{args.input}: not a .npy file (give the ids `trainfast bpe encode` wrote)")
+    try:
+        ids = np.load(args.input, mmap_mode="r", allow_pickle=False)
+    except ValueError as error:
+        raise ValueError(f"{args.input}: not a .npy file of token ids ({error})") from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{args.input}: token ids must be a 1-D integer array (got shape {ids.shape}, "
+                         f"dtype {ids.dtype})")
+    args.pattern = "gpt2"  # decoding does not pre-tokenize; any pattern gives the same bytes
+    tokenizer = _load_tokenizer(args)
+    start = time.perf_counter()
+    data = tokenizer.decode_bytes(ids)
+    # The bytes as the tokens hold them: encode read the text with universal newlines, so a file
+    # with "\r\n" comes back with "\n", and nothing is replaced (a slice of ids may end mid-character).
+    write_atomic(args.out, data)
+    print(f"bpe decode: {len(ids):,} tokens -> {len(data):,} bytes in {time.perf_counter() - start:.2f} s "
+          f"-> {args.out}")
     return 0
 
 
