@@ -500,6 +500,8 @@ def test_cli_decode_inverts_encode_and_refuses_bad_ids(tmp_path, small, caplog):
            "2d.npy": (np.ones((2, 2), np.int32), "1-D integer array"),
            "range.npy": (np.array([1, len(vocab) + 5]), f"ids[1] = {len(vocab) + 5} is not a token id"),
            "negative.npy": (np.array([-1]), "ids[0] = -1 is not a token id"),
+           # decoded in slices of 2^20 ids: the index is the file's
+           "late.npy": (np.concatenate([np.full(1_100_000, ids[0]), [-3]]), "ids[1100000] = -3 is not a token id"),
            "text.npy": (None, "not a .npy file")}
     for name, (array, message) in bad.items():
         if array is None:

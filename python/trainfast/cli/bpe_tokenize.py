@@ -208,12 +208,40 @@ def _decode_command(args: argparse.Namespace) -> int:
                          f"dtype {ids.dtype})")
     args.pattern = "gpt2"  # decoding does not pre-tokenize; any pattern gives the same bytes
     tokenizer = _load_tokenizer(args)
+    known = np.zeros(max(tokenizer.vocab) + 1, dtype=bool)
+    known[np.fromiter(tokenizer.vocab, dtype=np.int64)] = True
     start = time.perf_counter()
-    data = tokenizer.decode_bytes(ids)
+    num_bytes = 0
+    bar = None
+    if sys.stderr is not None and sys.stderr.isatty():
+        from trainfast._util import progress_bar
+
+        bar = progress_bar(total=len(ids), unit="tok", unit_scale=True, desc="bpe decode", leave=False)
+
+    def write_slices(f: Any) -> None:
+        # In slices of 1M ids: memory stays bounded (ids become Python ints) and Ctrl-C is seen between them.
+        nonlocal num_bytes
+        for begin in range(0, len(ids), 1 << 20):
+            part = np.asarray(ids[begin:begin + (1 << 20)])
+            bad = (part < 0) | (part >= len(known))
+            bad[~bad] = ~known[part[~bad]]
+            if bad.any():
+                idx = int(np.argmax(bad))
+                raise ValueError(f"{args.input}: ids[{begin + idx}] = {part[idx]} is not a token id of this vocabulary")
+            data = tokenizer.decode_bytes(part)
+            f.write(data)
+            num_bytes += len(data)
+            if bar is not None:
+                bar.update(len(part))
+
     # The bytes as the tokens hold them: encode read the text with universal newlines, so a file
     # with "\r\n" comes back with "\n", and nothing is replaced (a slice of ids may end mid-character).
-    write_atomic(args.out, data)
-    print(f"bpe decode: {len(ids):,} tokens -> {len(data):,} bytes in {time.perf_counter() - start:.2f} s "
+    try:
+        write_atomic(args.out, write_slices)  # a refused id or Ctrl-C leaves no partial file
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"bpe decode: {len(ids):,} tokens -> {num_bytes:,} bytes in {time.perf_counter() - start:.2f} s "
           f"-> {args.out}")
     return 0
 
