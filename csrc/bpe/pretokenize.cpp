@@ -819,7 +819,8 @@ class alignas(128) CountTable {
   // The count of an entry merged into another table's entry of the same key.
   static constexpr int64_t kDropped = std::numeric_limits<int64_t>::min();
 
-  CountTable() { reset(kInitialBits); }
+  // No slots until the first work item (begin_item): a counter may have more tables than work.
+  CountTable() = default;
 
   // `readable`: bytes readable from `data` (>= len); with 16 the short words take two plain loads.
   [[gnu::always_inline]] static inline Key make_key(const uint8_t* data, uint32_t len, size_t readable) {
@@ -885,6 +886,7 @@ class alignas(128) CountTable {
   // Keys inserted from now on were first seen in work item `item` (items are numbered in stream
   // order over the counter's life, and each is counted by one worker into its own table).
   void begin_item(uint64_t item) {
+    if (slots_.size() == 0) reset(wanted_bits_);  // in the worker, which then touches its pages first
     if (!runs_.empty() && runs_.back().first_entry == order_.size()) {
       runs_.back().item = item;  // the previous item inserted nothing
     } else {
@@ -916,7 +918,17 @@ class alignas(128) CountTable {
     return slot.len() <= kInlineBytes ? reinterpret_cast<const uint8_t*>(&slot.w0) : arena_.data() + slot.w1;
   }
 
-  void clear() { reset(kInitialBits); }
+  // Frees everything; the next work item allocates again.
+  void clear() {
+    ZeroedArray<Slot>().swap(slots_);
+    mask_ = 0;
+    shift_ = 32;
+    wanted_bits_ = kInitialBits;
+    std::vector<uint32_t>().swap(order_);
+    std::vector<Run>().swap(runs_);
+    std::vector<uint64_t>(1, 0).swap(key_bytes_before_);
+    std::vector<uint8_t>().swap(arena_);
+  }
 
   // Sizes an empty table for about `input_bytes` of text, so it need not grow (rehash) step by
   // step from a few thousand slots: about one slot per 128 bytes (English has ~1 unique
@@ -924,7 +936,11 @@ class alignas(128) CountTable {
   void reserve_for(size_t input_bytes) {
     if (!order_.empty()) return;
     const int bits = std::clamp(static_cast<int>(std::bit_width(input_bytes / 128)), kInitialBits, 20);
-    if (bits > 32 - shift_) reset(bits);
+    if (slots_.size() == 0) {
+      wanted_bits_ = std::max(wanted_bits_, bits);
+    } else if (bits > 32 - shift_) {
+      reset(bits);
+    }
   }
 
  private:
@@ -996,8 +1012,9 @@ class alignas(128) CountTable {
   int shift_ = 32;                  // home = tag >> shift_; capacity 2^(32 - shift_)
   std::vector<uint32_t> order_;     // slot of each entry, in insertion order
   std::vector<Run> runs_;           // entries by work item, in stream order
-  std::vector<uint64_t> key_bytes_before_;  // running sum of key lengths in that order, from 0
+  std::vector<uint64_t> key_bytes_before_ = std::vector<uint64_t>(1, 0);  // running sum of key lengths in that order
   std::vector<uint8_t> arena_;      // bytes of keys longer than kInlineBytes
+  int wanted_bits_ = kInitialBits;  // the size begin_item allocates (reserve_for may raise it)
 };
 
 // Runs fn(item, worker) for item in [0, num_items) on up to num_threads threads, workers pulling
@@ -1338,6 +1355,14 @@ struct PretokenCounter::Impl {
     tables.resize(options.num_threads);
   }
 
+  // Each worker sees its share of the text, whose unique keys grow sublinearly with it: one or two
+  // tables are sized for the whole input (half of gcide holds ~3/4 of its keys), more for twice
+  // their share, so the up-front memory stays about that of two tables for any thread count.
+  void reserve_tables(size_t input_bytes) {
+    const size_t share = tables.size() <= 2 ? input_bytes : input_bytes / tables.size() * 2;
+    for (CountTable& table : tables) table.reserve_for(share);
+  }
+
   struct Chunk {
     const uint8_t* data;
     size_t size;
@@ -1622,7 +1647,7 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
   }
   if (mapping.data != MAP_FAILED) {
     ::madvise(mapping.data, mapping.size, MADV_SEQUENTIAL);
-    for (CountTable& table : impl.tables) table.reserve_for(mapping.size);
+    impl.reserve_tables(mapping.size);
     const auto* file = static_cast<const uint8_t*>(mapping.data);
     const size_t size = mapping.size;
     std::string buffer;
@@ -1698,7 +1723,7 @@ void PretokenCounter::add_documents(std::span<const std::string_view> documents,
   std::vector<std::pair<size_t, size_t>> ranges;  // into decoded_text
   size_t total = 0;
   for (auto doc : documents) total += doc.size();
-  for (CountTable& table : impl.tables) table.reserve_for(total);
+  impl.reserve_tables(total);
   if (!decoded) {
     decoded_text.reserve(total);
     for (size_t k = 0; k < documents.size(); ++k) {
@@ -2025,11 +2050,16 @@ FlatPretokenCounts PretokenCounter::finish_flat(Interrupt* interrupt) {
   // next count's worker on that CPU gets them back warm. Freed by the calling thread, they came
   // back to the other workers as fresh pages, which are slow on a VM that hands free memory to its
   // host (two threads counting gcide again and again: 0.92-0.95x the time).
-  std::vector<std::atomic<bool>> cleared(impl.tables.size());
-  run_workers(impl.tables.size(), impl.options.num_threads, nullptr, [&](size_t, int worker) {
+  // Only tables that counted hold memory (workers that got no item allocated none).
+  size_t num_allocated = 0;
+  for (size_t t = 0; t < impl.tables.size(); ++t) {
+    if (impl.tables[t].capacity() > 0) num_allocated = t + 1;
+  }
+  std::vector<std::atomic<bool>> cleared(num_allocated);
+  run_workers(num_allocated, impl.options.num_threads, nullptr, [&](size_t, int worker) {
     if (!cleared[worker].exchange(true)) impl.tables[worker].clear();
   });
-  for (size_t t = 0; t < impl.tables.size(); ++t) {
+  for (size_t t = 0; t < num_allocated; ++t) {
     if (!cleared[t]) impl.tables[t].clear();
   }
   impl.num_items = 0;
