@@ -598,14 +598,18 @@ def test_bad_pattern():
         pretokenize("x", pattern=3)
     with pytest.raises(ValueError, match="pattern is not a valid regular expression"):
         pretokenize("x", pattern="(unclosed")
-    # findall gives tuples for two or more groups: pretokenize returns them as findall does, but they
-    # cannot be counted or encoded.
-    assert pretokenize("ab cd", pattern=r"(a)(b)|\w+") == regex.findall(r"(a)(b)|\w+", "ab cd")
+    # findall gives tuples for two or more groups, which are not pre-tokens (not str, and cannot be
+    # counted or encoded): refused everywhere.
+    with pytest.raises(ValueError, match="pattern has 2 capturing groups"):
+        pretokenize("ab cd", pattern=r"(a)(b)|\w+")
     with pytest.raises(ValueError, match="pattern has 2 capturing groups"):
         count_pretokens(iter(["ab cd"]), pattern=r"(a)(b)|\w+")
     with pytest.raises(ValueError, match="pattern has 2 capturing groups"):
         count_pretokens(iter(["ab cd"]), pattern=regex.compile(r"(a)(b)|\w+"))
     assert count_pretokens(iter(["ab cd"]), pattern=r"(\w+)") == {b"ab": 1, b"cd": 1}
+    # One group: findall's item is the group, "" where it did not take part.
+    assert pretokenize("ab ba", pattern=r"(a)|b") == regex.findall(r"(a)|b", "ab ba") == ["a", "", "", "a"]
+    assert count_pretokens(iter(["ab ba"]), pattern=r"(a)|b") == {b"a": 2, b"": 2}
 
 
 def test_bad_special_tokens():
@@ -633,6 +637,14 @@ def test_bad_inputs(tmp_path):
         count_pretokens([tmp_path / "missing.txt"])
     with pytest.raises(IsADirectoryError):
         count_pretokens(tmp_path)
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(IsADirectoryError):  # refused before the files ahead of it are counted
+        count_pretokens([tmp_path / "a.txt", tmp_path])
+    with pytest.raises(NotADirectoryError):  # the errno open() would give, not "no such file"
+        count_pretokens(tmp_path / "a.txt" / "b.txt")
+    # A list of str is paths, bytes are documents: a mix would read a path as text.
+    with pytest.raises(TypeError, match="inputs mixes str and bytes"):
+        count_pretokens([str(tmp_path / "a.txt"), b"x y"])
     with pytest.raises(TypeError, match=r"inputs\[1\] must be str or bytes"):
         count_pretokens(["a", 3])
     with pytest.raises(TypeError, match="inputs must be"):

@@ -1671,7 +1671,8 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
   // Anything else (a pipe, an empty or unmappable file) is read and decoded in order.
   size_t block_bytes = impl.options.block_bytes;
   if (S_ISREG(info.st_mode) && info.st_size >= 0) {
-    block_bytes = std::min(block_bytes, static_cast<size_t>(info.st_size) + 16);
+    // A small file needs no 64 MiB buffer; /proc files report size 0 and still hold text.
+    block_bytes = std::min(block_bytes, std::max<size_t>(static_cast<size_t>(info.st_size), 64 << 10) + 16);
   }
   std::vector<uint8_t> raw(block_bytes);
   size_t raw_len = 0;                                 // bytes in raw (an unfinished character first)

@@ -14,9 +14,11 @@ gives tuples) cannot be counted.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import stat
 import sys
 import time
 from collections import Counter
@@ -195,6 +197,7 @@ def pretokenize(text: str, *, pattern: Any = "gpt2", special_tokens: Sequence[st
     if not isinstance(text, str):
         raise TypeError(f"text must be a str (got {type(text).__name__})")
     native_id, compiled = _resolve_pattern(pattern)
+    _check_pieces_pattern(compiled)
     tokens = _check_special_tokens(special_tokens, unique=False)
     if native_id is None:
         return _fallback_pieces(text, compiled, tokens)
@@ -268,7 +271,8 @@ def count_pretokens(
             of paths: pass documents as e.g. ``iter(texts)``.) Files and bytes are read like
             Python's text mode: UTF-8, universal newlines ("\\r\\n", "\\r" -> "\\n").
         pattern: ``"gpt2"``, ``"cl100k"``, ``"o200k"`` or another regular expression (slow
-            fallback through the ``regex`` package, one thread).
+            fallback through the ``regex`` package, one thread, which reads each file whole: an
+            arbitrary pattern has no safe places to cut the text).
         special_tokens: str tokens split on first (longest wins), not counted.
         num_threads: threads (default: $TRAINFAST_NUM_THREADS or all available cores).
         errors: invalid UTF-8 raises ValueError naming the byte offset (``"strict"``), becomes
@@ -295,6 +299,10 @@ def count_pretokens(
         paths = [os.fspath(inputs)]
     elif isinstance(inputs, (list, tuple)) and all(_is_path(item) for item in inputs):
         paths = [os.fspath(item) for item in inputs]
+    elif isinstance(inputs, (list, tuple)) and any(isinstance(item, str) for item in inputs) and any(
+            isinstance(item, bytes) for item in inputs):
+        raise TypeError("inputs mixes str and bytes: a list of str is read as file paths, bytes as documents "
+                        "(pass documents as iter(texts), or files as paths only)")
     elif isinstance(inputs, (bytes, bytearray)):
         raise TypeError("inputs must be a path, a list of paths or an iterable of str/bytes (got a single bytes)")
     elif not isinstance(inputs, Iterable):
@@ -303,11 +311,15 @@ def count_pretokens(
         )
 
     if paths is not None:
-        for idx, path in enumerate(paths):
-            if not os.path.exists(path):
+        for idx, path in enumerate(paths):  # every file is checked before any is counted
+            try:
+                info = os.stat(path)
+            except FileNotFoundError:
                 given_str = not _is_path(inputs) and isinstance(inputs[idx], str)
                 hint = " (a list of str is read as file paths: pass documents as iter(texts))" if given_str else ""
-                raise FileNotFoundError(2, "No such file or directory" + hint, path)
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory" + hint, path) from None
+            if stat.S_ISDIR(info.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
         total = sum(os.path.getsize(path) for path in paths if os.path.isfile(path))
         progress = _Progress(show_progress, total)
         try:
@@ -359,7 +371,9 @@ def _count_text(counts: Counter, text: str, compiled: Any, tokens: Sequence[str]
     parts = _special_splitter(tokens).split(text) if tokens else [text]
     for idx, part in enumerate(parts):
         if idx % 2 == 0:  # odd parts are the special tokens: not counted
-            counts.update(piece.encode("utf-8") for piece in compiled.findall(part))
+            # finditer, not findall: no list of every piece. findall's item is group 1 when there is one.
+            group = 1 if compiled.groups == 1 else 0
+            counts.update((match.group(group) or "").encode("utf-8") for match in compiled.finditer(part))
 
 
 def _decode_error(name: str, error: UnicodeDecodeError, offset: int) -> ValueError:
