@@ -341,6 +341,13 @@ def test_bad_word_counts(word_counts, error):
         train_from_counts(word_counts, 300, show_progress=False)
 
 
+def test_show_progress_must_be_bool():
+    for call in (lambda: train_from_counts({b"ab": 2}, 300, show_progress="no"),
+                 lambda: train_bpe(iter(["ab"]), 300, show_progress=1)):
+        with pytest.raises(TypeError, match="show_progress must be a bool"):
+            call()
+
+
 def test_progress_goes_through_logging(shared_dir, caplog):
     with caplog.at_level(logging.INFO, logger="trainfast.bpe"):
         train_bpe(_fixture(shared_dir, "corpus.en"), 500, [SPECIAL], show_progress=True)
@@ -356,6 +363,37 @@ def test_cli_train(shared_dir, tmp_path):
     vocab, merges = load(out)
     assert merges == _reference_merges(shared_dir)
     assert vocab[256] == SPECIAL.encode()
+
+
+def test_cli_train_refuses_before_training(shared_dir, tmp_path, caplog, monkeypatch):
+    from trainfast.bpe import train as train_module
+    from trainfast.cli import main
+
+    corpus = str(_fixture(shared_dir, "corpus.en"))
+    assert main(["bpe", "count", corpus, "--out", str(tmp_path / "c.tfwc"), "--special-token", "a",
+                 "--no-progress"]) == 0
+    assert main(["bpe", "count", corpus, "--out", str(tmp_path / "ok.tfwc"), "--no-progress"]) == 0
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before refusing")
+
+    monkeypatch.setattr(train_module, "_train", no_training)  # train_bpe's and train_from_counts' merge loop
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (["bpe", "train", corpus, "--out", str(tmp_path / "file")], "--out .* is not a directory"),
+        (["bpe", "train", corpus, "--out", str(tmp_path / "file" / "sub")], "is not a directory"),
+        (["bpe", "train", corpus, "--special-token", "a", "--out", str(tmp_path / "o")], "'a' is one byte"),
+        (["bpe", "train", "--from-counts", str(tmp_path / "ok.tfwc"), "--out", str(tmp_path / "file")],
+         "--out .* is not a directory"),
+        # The counts' own special tokens are checked as well as --special-token.
+        (["bpe", "train", "--from-counts", str(tmp_path / "c.tfwc"), "--out", str(tmp_path / "o")], "'a' is one byte"),
+    ]
+    for argv, message in cases:
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="trainfast"):
+            assert main([*argv, "--vocab-size", "300", "--no-progress"]) == 2, argv
+        assert re.search(message, caplog.text), (argv, caplog.text)
+    assert not (tmp_path / "o").exists()
 
 
 def test_ctrl_c_raises_keyboard_interrupt(sigint_repeatedly):

@@ -214,6 +214,23 @@ def check_output_file(option: str, path: Any, written: Any = None) -> None:
         raise FileNotFoundError(f"{option} {str(path)!r}: directory {str(target.resolve().parent)!r} does not exist")
 
 
+def check_output_dir(option: str, path: Any) -> None:
+    """For a CLI, before the work: ``path`` given to ``option`` is a directory or can be made one
+    (its nearest existing ancestor is a writable directory). Nothing is created here."""
+    from pathlib import Path
+
+    target = Path(path).absolute()
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{option} {str(path)!r} is not a directory")
+    ancestor = target
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"{option} {str(path)!r}: {str(ancestor)!r} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise PermissionError(f"{option} {str(path)!r}: directory {str(ancestor)!r} is not writable")
+
+
 def write_atomic(path: Any, data: bytes | str | Callable[[Any], None]) -> None:
     """Writes ``data`` to ``path`` through a temp file in the same directory and a rename, so readers
     never see a half-written file (str is written as UTF-8 with "\n" newlines; a callable is given

@@ -100,6 +100,8 @@ def train_from_counts(
     """
     if not isinstance(word_counts, dict):
         raise TypeError(f"word_counts must be a dict[bytes, int] (got {type(word_counts).__name__})")
+    if not isinstance(show_progress, bool):  # as count_pretokens checks it for train_bpe
+        raise TypeError(f"show_progress must be a bool (got {type(show_progress).__name__})")
     special_tokens = _check_special_tokens(special_tokens, unique=True)
     vocab_size = _check_vocab_size(vocab_size, special_tokens)
     return _train(word_counts, vocab_size, special_tokens, show_progress)

@@ -40,14 +40,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.set_defaults(handler=_train_command)
 
 
+def check_train_output(out: str, special_tokens: list[str]) -> None:
+    """Before training, not at the save after it: --out can hold the files, and vocab.json can hold
+    the special tokens (it maps each token to one id)."""
+    from trainfast._util import check_output_dir
+
+    check_output_dir("--out", out)
+    for token in special_tokens:
+        if len(token.encode("utf-8", "surrogatepass")) == 1:
+            raise ValueError(f"special token {token!r} is one byte, already token {ord(token)} of the byte "
+                             "vocabulary: vocab.json cannot hold it under two ids")
+
+
 def _train_command(args: argparse.Namespace) -> int:
     from trainfast.bpe import save, train_bpe
 
-    for token in args.special_tokens:
-        # Before training, not at the save after it: vocab.json maps each token to one id.
-        if len(token.encode("utf-8", "surrogatepass")) == 1:
-            raise ValueError(f"--special-token {token!r} is one byte, already token {ord(token)} of the byte "
-                             "vocabulary: vocab.json cannot hold it under two ids")
+    check_train_output(args.out, args.special_tokens)
     start = time.perf_counter()
     # --pattern defaults to None so that --from-counts can tell an explicit gpt2 from none given.
     pattern = "gpt2" if args.pattern is None else args.pattern
