@@ -982,3 +982,16 @@ def test_counter_first_index_is_range_checked():
     for first_index in (-1, 2**63 - 1):
         with pytest.raises(ValueError, match=r"first_index must be in \[0, 2\^62\]"):
             counter.add_documents(["x"], first_index=first_index)
+
+
+def test_cli_without_regex_says_what_to_install(tmp_path, monkeypatch, caplog):
+    import sys
+
+    from trainfast.cli import main
+
+    (tmp_path / "x.txt").write_text("hello world")
+    monkeypatch.setitem(sys.modules, "regex", None)  # as if not installed: import raises ImportError
+    with caplog.at_level("ERROR", logger="trainfast"):
+        assert main(["pretokenize", str(tmp_path / "x.txt"), "--pattern", r"\w+"]) == 2
+    assert "need the `regex` package (pip install regex)" in caplog.text
+    assert main(["pretokenize", str(tmp_path / "x.txt")]) == 0  # the named patterns need no regex

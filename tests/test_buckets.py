@@ -940,6 +940,17 @@ def test_materialize_is_device_generic():
         assert a.device.type == "meta" and a.shape == b.shape and a.storage_offset() == b.storage_offset()
 
 
+def test_materialize_refuses_a_cuda_device_torch_does_not_have(monkeypatch):
+    layout = buckets.plan_layout([15, 7], data_parallel_world_size=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device 'cuda' is not available here \(torch sees 0 CUDA devices\)"):
+        buckets.materialize(layout, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="device 'cuda:2' is not available here"):
+        buckets.materialize(layout, device="cuda:2")
+
+
 def test_quantized_storage_test_skipped_only_when_provably_false(monkeypatch):
     """Without Transformer Engine megatron's quantized-storage test is False for every param and the
     drop-ins skip it; a stand-in (monkeypatched, as with TE's classes present) is called per param."""

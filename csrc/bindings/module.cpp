@@ -17,7 +17,8 @@ PYBIND11_MODULE(_core, m) {
   trainfast::bindings::register_buckets(m);
   trainfast::bindings::register_pipeline(m);
   trainfast::bindings::register_eplb(m);
-  trainfast::bindings::register_bpe_pretokenize(m);
+  // bpe_train defines BpeWordTable, which bpe_pretokenize's signatures name: registered first.
   trainfast::bindings::register_bpe_train(m);
+  trainfast::bindings::register_bpe_pretokenize(m);
   trainfast::bindings::register_bpe_encode(m);
 }

@@ -970,6 +970,10 @@ def materialize(
         device = torch.device(device)
     except RuntimeError as error:
         raise ValueError(f"device must name a torch device (got {device!r}: {error})") from None
+    if device.type == "cuda":  # torch would raise an AssertionError / RuntimeError at the allocation
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index is not None and device.index >= count):
+            raise ValueError(f"device {str(device)!r} is not available here (torch sees {count} CUDA devices)")
     n = len(param_start)
     numels = (param_end - param_start).tolist()
     params = None

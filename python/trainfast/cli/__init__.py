@@ -32,7 +32,10 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trainfast", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="trainfast",
+        description="trainfast: checkpoint binning, gradient buckets, EPLB, pipeline splits and BPE from the "
+                    "command line (`trainfast demo` runs each on built-in examples).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", required=True)
     demo = subparsers.add_parser("demo", help="run every kernel on built-in examples")
@@ -47,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush stays quiet
         return 128 + signal.SIGPIPE
     except (ValueError, TypeError, OSError) as error:
+        logging.getLogger("trainfast").error("trainfast %s: error: %s", args.command, error)
+        return 2
+    except ImportError as error:  # an optional package this command needs (regex, matplotlib ...)
         logging.getLogger("trainfast").error("trainfast %s: error: %s", args.command, error)
         return 2
     except MemoryError:  # sizes asked on the command line (--layers, --bins ...) beyond this machine

@@ -206,8 +206,11 @@ def _python_reference() -> tuple[str, Any] | None:
             continue
         if hasattr(module, "rebalance_experts"):
             return name, module.rebalance_experts
-    oracle = Path(__file__).resolve().parents[3] / "tests" / "reference" / "eplb.py"
-    if oracle.exists():
+    # From a source checkout: beside the package, or (installed into .venv by `make demo`) the cwd.
+    candidates = [Path(__file__).resolve().parents[3], Path.cwd()]
+    oracle = next((root / "tests" / "reference" / "eplb.py" for root in candidates
+                   if (root / "tests" / "reference" / "eplb.py").is_file()), None)
+    if oracle is not None:
         spec = importlib.util.spec_from_file_location("_trainfast_eplb_oracle", oracle)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
