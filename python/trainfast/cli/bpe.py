@@ -12,6 +12,13 @@ _NAME = "bpe"
 _DEMO_CORPUS = Path(__file__).resolve().parents[1] / "bpe" / "data" / "corpus.en.xz"
 
 
+def _thread_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
 def add_pretokenizer_arguments(parser: argparse.ArgumentParser, *, pattern_default: str | None = "gpt2",
                                pattern_help: str = "gpt2 (default), cl100k, o200k or a regular expression") -> None:
     """--special-token, --pattern, --threads and --errors: how a command that reads text files splits it.
@@ -21,7 +28,7 @@ def add_pretokenizer_arguments(parser: argparse.ArgumentParser, *, pattern_defau
     parser.add_argument("--special-token", action="append", default=[], dest="special_tokens",
                         help="special token (repeatable), e.g. '<|endoftext|>': split out first, never counted")
     parser.add_argument("--pattern", default=pattern_default, help=pattern_help)
-    parser.add_argument("--threads", type=int, default=None, help="pre-tokenizer threads (default: all cores)")
+    parser.add_argument("--threads", type=_thread_count, default=None, help="pre-tokenizer threads (default: all cores)")
     parser.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
                         help="invalid UTF-8: fail naming the byte offset (default), replace or ignore")
 
@@ -40,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.set_defaults(handler=_train_command)
 
 
-def check_train_output(out: str, special_tokens: list[str]) -> None:
+def check_train_output(out: str, special_tokens: list[str], source: str = "--special-token") -> None:
     """Before training, not at the save after it: --out can hold the files, and vocab.json can hold
     the special tokens (it maps each token to one id)."""
     from trainfast._util import check_output_dir
@@ -48,7 +55,7 @@ def check_train_output(out: str, special_tokens: list[str]) -> None:
     check_output_dir("--out", out)
     for token in special_tokens:
         if len(token.encode("utf-8", "surrogatepass")) == 1:
-            raise ValueError(f"special token {token!r} is one byte, already token {ord(token)} of the byte "
+            raise ValueError(f"{source} {token!r} is one byte, already token {ord(token)} of the byte "
                              "vocabulary: vocab.json cannot hold it under two ids")
 
 

@@ -110,7 +110,10 @@ def _train_command(args: argparse.Namespace, corpus_handler) -> int:
     counts = WordCounts.load(args.from_counts[0])
     for path in args.from_counts[1:]:
         counts += WordCounts.load(path)
-    check_train_output(args.out, args.special_tokens or list(counts.special_tokens))
+    if args.special_tokens:
+        check_train_output(args.out, args.special_tokens)
+    else:
+        check_train_output(args.out, list(counts.special_tokens), "the counts' special token")
     # Training never re-reads the text, so --pattern can only be a check: any spelling of the counts'
     # pattern passes ("cl100k_base" is "cl100k", the GPT-2 regex text is "gpt2"), anything else is refused.
     if args.pattern is not None and _pattern_key(args.pattern) != _pattern_key(counts.pattern):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +135,8 @@ def resolve_spec(model: str, num_layers: int | None = None) -> ModelSpec:
         return gpt_spec(num_layers or 32)
     if model in ("deepseek-v3", "dsv3"):
         return deepseek_v3_spec(num_layers or 61)
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"--model {model!r}: neither 'gpt' nor 'deepseek-v3', and no such JSON spec file")
     return load_spec(model)
 
 
