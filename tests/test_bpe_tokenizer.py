@@ -593,6 +593,15 @@ def test_sparse_vocab_ids_encode_and_decode():
     assert ids == [3_000_000, 3_000_000, 3_000_001, 120] and all(type(i) is int for i in ids)
     assert tokenizer.decode(ids) == "abab<s>x"
     assert tokenizer.encode_batch(["ab", "<s>"], num_threads=2) == [[3_000_000], [3_000_001]]
+    # Sparse ids are kept sorted, not in tables up to the largest id (which would take 50 GB here).
+    vocab = {i: bytes([i]) for i in range(256)} | {150_000_000: b"ab", 2**31 - 2: b"abc"}
+    tokenizer = Tokenizer(vocab, [(b"a", b"b"), (b"ab", b"c")], ["<s>"])
+    ids = tokenizer.encode("abcab<s>x ab")
+    assert ids == [2**31 - 2, 150_000_000, 2**31 - 1, 120, 32, 150_000_000]
+    assert tokenizer.decode(ids) == "abcab<s>x ab"
+    for unknown in (256, 150_000_001, 2**31 - 3):
+        with pytest.raises(ValueError, match=f"ids\\[1\\] = {unknown} is not a token id"):
+            tokenizer.decode([120, unknown])
 
 
 def test_special_tokens_from_dict_keys_keep_their_order():

@@ -128,14 +128,16 @@ class Encoder {
       throw py::value_error("vocab id " + std::to_string(max_id) + " must be in [0, 2^31)");
     }
     // Per id: token offset (8) and length (4) in the core, a list slot (8) and an int object (32) here.
-    check_output_fits("Tokenizer: the tables indexed by token id up to the largest vocab id", max_id + 1, 52);
+    if (bpe::BpeEncoder::ids_are_dense(max_id, id_span.size())) {
+      check_output_fits("Tokenizer: the tables indexed by token id up to the largest vocab id", max_id + 1, 52);
+    }
     encoder_ = std::make_unique<bpe::BpeEncoder>(
         token_views, span_1d(ids, "ids"), span_1d(merge_left, "merge_left"), span_1d(merge_right, "merge_right"),
         span_1d(merge_result, "merge_result"), special_views, span_1d(special_ids, "special_ids"),
         static_cast<bpe::Pattern>(pattern));
-    // Int objects for the ids in use only: a sparse vocab (one stray id of 10^8) made one per id up
-    // to the largest, gigabytes and seconds. Gaps stay null (to_list makes those on demand).
-    const size_t limit = encoder_->vocab_id_limit();
+    // Int objects for the ids in use only, below the core's dense limit (0 for a sparse vocab, one
+    // with a stray id of 10^8). Gaps and the ids past it stay null: to_list makes those on demand.
+    const size_t limit = encoder_->dense_id_limit();
     id_objects_.resize(limit);
     uint64_t step = 0;
     for (const auto& used : {span_1d(ids, "ids"), span_1d(special_ids, "special_ids")}) {

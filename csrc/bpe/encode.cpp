@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <queue>
 #include <stdexcept>
 #include <string>
@@ -154,15 +155,34 @@ BpeEncoder::BpeEncoder(std::span<const std::string_view> tokens, std::span<const
     TF_CHECK_ARG(!tokens[k].empty(), "vocab token of id", ids[k], "must be non-empty bytes");
     max_id = std::max(max_id, ids[k]);
   }
-  id_to_token_offset_.assign(static_cast<size_t>(max_id + 1), -1);
-  id_to_token_length_.assign(static_cast<size_t>(max_id + 1), 0);
+  std::vector<int64_t> offsets(ids.size());
+  for (size_t k = 0; k < ids.size(); ++k) {
+    offsets[k] = static_cast<int64_t>(token_bytes_.size());
+    token_bytes_.append(tokens[k]);
+  }
+  if (ids_are_dense(max_id, ids.size())) {
+    id_to_token_offset_.assign(static_cast<size_t>(max_id + 1), -1);
+    id_to_token_length_.assign(static_cast<size_t>(max_id + 1), 0);
+    for (size_t k = 0; k < ids.size(); ++k) {
+      const auto id = static_cast<size_t>(ids[k]);
+      TF_CHECK_ARG(id_to_token_offset_[id] < 0, "vocab id", ids[k], "must be unique");
+      id_to_token_offset_[id] = offsets[k];
+      id_to_token_length_[id] = static_cast<uint32_t>(tokens[k].size());
+    }
+  } else {
+    std::vector<size_t> by_id(ids.size());
+    std::iota(by_id.begin(), by_id.end(), size_t{0});
+    std::sort(by_id.begin(), by_id.end(), [&](size_t a, size_t b) { return ids[a] < ids[b]; });
+    for (size_t j = 0; j < by_id.size(); ++j) {
+      const size_t k = by_id[j];
+      TF_CHECK_ARG(j == 0 || ids[by_id[j - 1]] != ids[k], "vocab id", ids[k], "must be unique");
+      sparse_ids_.push_back(ids[k]);
+      sparse_offset_.push_back(offsets[k]);
+      sparse_length_.push_back(static_cast<uint32_t>(tokens[k].size()));
+    }
+  }
   bool have_byte[256] = {};
   for (size_t k = 0; k < ids.size(); ++k) {
-    const auto id = static_cast<size_t>(ids[k]);
-    TF_CHECK_ARG(id_to_token_offset_[id] < 0, "vocab id", ids[k], "must be unique");
-    id_to_token_offset_[id] = static_cast<int64_t>(token_bytes_.size());
-    id_to_token_length_[id] = static_cast<uint32_t>(tokens[k].size());
-    token_bytes_.append(tokens[k]);
     if (tokens[k].size() == 1) {
       const auto b = static_cast<uint8_t>(tokens[k][0]);
       // A one-byte special token may repeat its byte (train_bpe's vocab); the later id wins, as in
@@ -170,7 +190,7 @@ BpeEncoder::BpeEncoder(std::span<const std::string_view> tokens, std::span<const
       const bool is_special = std::find(special_tokens.begin(), special_tokens.end(), tokens[k]) != special_tokens.end();
       TF_CHECK_ARG(!have_byte[b] || is_special, "vocab byte token", static_cast<int>(b), "must appear only once");
       have_byte[b] = true;
-      byte_id_[b] = static_cast<uint32_t>(id);
+      byte_id_[b] = static_cast<uint32_t>(ids[k]);
     }
   }
   for (int b = 0; b < 256; ++b) {
@@ -178,11 +198,13 @@ BpeEncoder::BpeEncoder(std::span<const std::string_view> tokens, std::span<const
                  "must contain all 256 single-byte tokens");
   }
   auto token_of = [&](int64_t id) {
-    return std::string_view(token_bytes_).substr(static_cast<size_t>(id_to_token_offset_[static_cast<size_t>(id)]),
-                                                 id_to_token_length_[static_cast<size_t>(id)]);
+    std::string_view token;
+    find_token(id, &token);
+    return token;
   };
   auto known = [&](int64_t id) {
-    return id >= 0 && id <= max_id && id_to_token_offset_[static_cast<size_t>(id)] >= 0;
+    std::string_view token;
+    return find_token(id, &token);
   };
 
   const size_t num_merges = merge_left.size();
@@ -229,6 +251,24 @@ BpeEncoder::BpeEncoder(std::span<const std::string_view> tokens, std::span<const
 }
 
 BpeEncoder::~BpeEncoder() = default;
+
+bool BpeEncoder::find_token(int64_t id, std::string_view* token) const {
+  int64_t offset;
+  uint32_t length;
+  if (id >= 0 && static_cast<uint64_t>(id) < id_to_token_offset_.size()) {
+    offset = id_to_token_offset_[static_cast<size_t>(id)];
+    length = id_to_token_length_[static_cast<size_t>(id)];
+    if (offset < 0) return false;
+  } else {
+    const auto it = std::lower_bound(sparse_ids_.begin(), sparse_ids_.end(), id);
+    if (it == sparse_ids_.end() || *it != id) return false;
+    const auto k = static_cast<size_t>(it - sparse_ids_.begin());
+    offset = sparse_offset_[k];
+    length = sparse_length_[k];
+  }
+  *token = std::string_view(token_bytes_).substr(static_cast<size_t>(offset), length);
+  return true;
+}
 
 BpeEncoder::PairValue BpeEncoder::lookup_pair(uint32_t left, uint32_t right) const {
   const uint64_t key = (static_cast<uint64_t>(left) << 32) | right;
@@ -453,22 +493,21 @@ std::vector<std::vector<uint32_t>> BpeEncoder::encode_batch(std::span<const std:
 
 std::string BpeEncoder::decode(std::span<const int64_t> ids, Interrupt* interrupt) const {
   size_t total = 0;
+  std::string_view token;
   for (size_t k = 0; k < ids.size(); ++k) {
     if (interrupt != nullptr && (k & 0xFFFF) == 0) interrupt->check();
-    const int64_t id = ids[k];
-    if (id < 0 || static_cast<uint64_t>(id) >= id_to_token_offset_.size() ||
-        id_to_token_offset_[static_cast<size_t>(id)] < 0) {
-      throw std::invalid_argument("ids[" + std::to_string(k) + "] = " + std::to_string(id) +
+    if (!find_token(ids[k], &token)) {
+      throw std::invalid_argument("ids[" + std::to_string(k) + "] = " + std::to_string(ids[k]) +
                                   " is not a token id of this vocabulary");
     }
-    total += id_to_token_length_[static_cast<size_t>(id)];
+    total += token.size();
   }
   std::string out;
   out.reserve(total);
   for (size_t k = 0; k < ids.size(); ++k) {
     if (interrupt != nullptr && (k & 0xFFFF) == 0) interrupt->check();
-    const auto id = static_cast<size_t>(ids[k]);
-    out.append(token_bytes_, static_cast<size_t>(id_to_token_offset_[id]), id_to_token_length_[id]);
+    find_token(ids[k], &token);
+    out.append(token);
   }
   return out;
 }

@@ -49,7 +49,13 @@ class BpeEncoder {
   // its own encoding followed by the encoding of the rest (0 when no such cut is known).
   size_t safe_cut(std::string_view text, Interrupt* interrupt = nullptr) const;
 
-  size_t vocab_id_limit() const { return id_to_token_offset_.size(); }
+  // Ids below this are looked up in tables indexed by id (empty when the vocab is sparse).
+  size_t dense_id_limit() const { return id_to_token_offset_.size(); }
+  // Whether a vocab of `num_tokens` tokens whose largest id is `max_id` gets tables indexed by id:
+  // a stray id of 10^8 in a 50k vocab would cost gigabytes, so such a vocab keeps its ids sorted.
+  static bool ids_are_dense(int64_t max_id, size_t num_tokens) {
+    return max_id < 4 * static_cast<int64_t>(num_tokens) + 65536;
+  }
 
  private:
   struct Lease;
@@ -78,10 +84,16 @@ class BpeEncoder {
   std::vector<PairSlot> pair_slots_;
   uint64_t pair_mask_ = 0;
   uint32_t byte_id_[256] = {};
-  // Token bytes by id (for decode): tokens_[offset[id] .. offset[id + 1]), unknown ids: offset -1.
+  // The bytes of token `id`, or false for an id not in the vocab.
+  bool find_token(int64_t id, std::string_view* token) const;
+  // Token bytes by id (for decode): token_bytes_[offset, offset + length). Dense vocabs index
+  // offset/length by id (offset -1: unknown id); sparse ones list them by ascending id.
   std::string token_bytes_;
   std::vector<int64_t> id_to_token_offset_;
   std::vector<uint32_t> id_to_token_length_;
+  std::vector<int64_t> sparse_ids_;
+  std::vector<int64_t> sparse_offset_;
+  std::vector<uint32_t> sparse_length_;
   SpecialTokenMatcher specials_;
   std::unordered_map<std::string, uint32_t> special_id_;
   Pattern pattern_;

@@ -41,9 +41,9 @@ class Tokenizer:
         vocab: ``{id: token bytes}``; ids are non-negative ints, tokens distinct non-empty bytes
             (except that a special token may also be an ordinary token: ``train_bpe`` gives a
             one-byte special token an id of its own), and all 256 single bytes must be present.
-            The native tables are indexed by id, so memory and construction time grow with the
-            largest id (about 20 bytes per id: a stray id of 10^8 costs ~2-3 GB and seconds); ids
-            are < 2^31, and a largest id whose tables exceed physical memory is refused.
+            Ids are < 2^31. The native tables are indexed by id when the ids are dense (the
+            largest below 4 x the vocab size + 65536, about 20 bytes per id); a vocab with a
+            stray large id keeps its ids sorted instead (decode searches them).
         merges: ``(left, right)`` byte pairs in creation order (rank = index); both sides and their
             concatenation must be vocab tokens.
         special_tokens: strings always encoded as one token each; one missing from ``vocab`` is
