@@ -7,6 +7,7 @@ benchmarks/README.md (between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAM
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import time
@@ -26,11 +27,17 @@ def parse_args(docstring: str) -> argparse.Namespace:
 
 
 def timeit(fn: Callable[[], Any], *, repeats: int = 5, min_time: float = 0.0) -> tuple[Any, float]:
-    """(last result, median seconds) over ``repeats`` calls (more while under ``min_time`` total)."""
+    """(last result, median seconds) over ``repeats`` calls (more while under ``min_time`` total).
+
+    The garbage left by earlier work is collected before each call, untimed: otherwise a call
+    pays for the collection of what the previous benchmark row allocated (a Python upstream timed
+    twice in one run measured 2-3x apart). A call's own collections stay in its time."""
     times = []
     result = None
     start_all = time.perf_counter()
     while len(times) < repeats or time.perf_counter() - start_all < min_time:
+        result = None  # the previous call's result is garbage too
+        gc.collect()
         start = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - start)

@@ -36,7 +36,14 @@ def _run_trainfast(path: str, vocab_size: int, threads: int) -> dict:
     middle = time.perf_counter()
     _, merges = train_module._train(table, vocab_size, [SPECIAL], False)
     end = time.perf_counter()
-    return {"pretok": middle - start, "merges": end - middle, "total": end - start, "num_merges": len(merges)}
+    return {"pretok": middle - start, "merges": end - middle, "total": end - start, "num_merges": len(merges),
+            "digest": _digest(merges)}
+
+
+def _digest(merges: list[tuple[bytes, bytes]]) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(merges).encode()).hexdigest()
 
 
 def _run_oracle(path: str, vocab_size: int, threads: int) -> dict:
@@ -48,7 +55,8 @@ def _run_oracle(path: str, vocab_size: int, threads: int) -> dict:
     middle = time.perf_counter()
     _, merges = ref.train_from_counts(counts, vocab_size, [SPECIAL])
     end = time.perf_counter()
-    return {"pretok": middle - start, "merges": end - middle, "total": end - start, "num_merges": len(merges)}
+    return {"pretok": middle - start, "merges": end - middle, "total": end - start, "num_merges": len(merges),
+            "digest": _digest(merges)}
 
 
 def _run_hf(path: str, vocab_size: int, threads: int) -> dict:
@@ -186,20 +194,26 @@ def main() -> None:
                     notes.add(result["note"])
                 ratio = "1.0x" if system == "trainfast" else (
                     f"{result['total'] / native['total']:.1f}x slower" if native else "–")
+                oracle = results.get("Python oracle")
+                same = "–"
+                if system in ("trainfast", "Python oracle") and oracle and native:
+                    same = str(native["digest"] == oracle["digest"])
                 rows.append([label, vocab_size, system, _fmt(result.get("pretok")), _fmt(result.get("merges")),
-                             _fmt(result["total"]), ratio, _fmt(result["cpu"]), f"{result['rss'] / 2**20:.0f} MiB"])
+                             _fmt(result["total"]), ratio, _fmt(result["cpu"]), f"{result['rss'] / 2**20:.0f} MiB",
+                             same])
                 print("  " + " | ".join(map(str, rows[-1])), flush=True)
 
         table = markdown_table(
             ["corpus", "vocab", "system", "pre-tokenize + count", "merges", "total (wall)", "vs trainfast", "CPU time",
-             "peak RSS"], rows)
+             "peak RSS", "merges = oracle's"], rows)
         print(table)
-        body = (f"BPE training (`trainfast.bpe.train_bpe`, CS336 semantics), {threads} threads for every system, "
-                "each in its own process (peak RSS includes the interpreter). HF tokenizers: BpeTrainer with the "
+        body = (f"BPE training (`trainfast.bpe.train_bpe`, CS336 semantics), {threads} threads for every system but "
+                "the Python oracle (one thread), each in its own process (peak RSS includes the interpreter). "
+                "`merges = oracle's`: trainfast's merge list equals the oracle's, where the oracle runs. HF tokenizers: BpeTrainer with the "
                 "ByteLevel pre-tokenizer (GPT-2 regex, add_prefix_space=False; it pre-tokenizes line by line); "
                 "rustbpe: GPT-2 pattern, ~1 MB pieces. Both report only their total. trainfast totals include "
                 "the file read; merges are exactly CS336's (HF/rustbpe break ties differently). CPU time: user + sys "
-                "of the whole process, all threads (less sensitive than wall time to a busy machine).\n\n" + table)
+                "of the whole process, all threads, per run, including interpreter start-up and imports (less sensitive than wall time to a busy machine).\n\n" + table)
         if notes:
             body += "\n\n" + "\n".join(f"Note: {note}." for note in sorted(notes))
         if args.write_readme:

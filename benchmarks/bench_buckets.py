@@ -331,8 +331,12 @@ def main() -> None:
         assert (layout.param_start.tolist(), layout.param_end.tolist(), layout.bucket_id.tolist()) == tuple(
             oracle_layout[name][:3])
         assert groups[name].groups() == oracle_group[name]
-        assert len(ranges[name].rank) == len(oracle_range[name])
-        assert ranges[name].gbuf_world.tolist() == [list(row[3]) for row in oracle_range[name]]
+        table, expected = ranges[name], oracle_range[name]
+        assert len(table.rank) == len(expected)
+        got = list(zip(table.rank.tolist(), table.bucket.tolist(), table.param.tolist(),
+                       *(map(tuple, column.tolist()) for column in (table.gbuf_world, table.gbuf_world_in_bucket,
+                                                                    table.gbuf_local, table.param_range))))
+        assert got == expected, f"{name}: shard ranges differ from the oracle's"
     oracle_total = t_layout + t_groups + t_ranges
     print(f"oracle: {fmt_seconds(oracle_total)} (identical results)")
 
