@@ -1067,3 +1067,27 @@ def test_indexed_range_map_rechecks_offsets_rewritten_by_range_type():
     with pytest.raises(ValueError, match="offsets must be in"):
         _core.buckets_param_range_map_indexed(
             index_map, keys, values, starts, ends, max_end, starts_sorted, version, 5, 15, 0, Range)
+
+
+def test_drop_ins_read_world_sizes_and_config_fields_as_upstream_does():
+    """A world size no buffer uses is not read (upstream never reads it); a ddp_config without a
+    field upstream reads is refused, not taken as False."""
+    import types
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    experts = [torch.nn.Parameter(torch.zeros(100)) for _ in range(3)]
+    for param in experts:
+        param.allreduce = False  # expert-parallel: only the expert world size is used
+    layout = buckets.compute_full_param_layout(experts, 1000, None, config, 4)
+    assert [buffer.bucket_indices for buffer in layout.layouts.values()] == [[(0, 384)]]
+    with pytest.raises(TypeError, match="data_parallel_world_size"):  # the expert default is the dense size
+        buckets.compute_full_param_layout(experts, 1000, None, config)
+    dense = [torch.nn.Parameter(torch.zeros(100)) for _ in range(3)]
+    for call, field in ((lambda: buckets.compute_per_buffer_param_layout(dense, 250, 2, types.SimpleNamespace()),
+                         "pad_buckets_for_high_nccl_busbw"),
+                        (lambda: buckets.compute_full_param_layout(dense, 250, 2, types.SimpleNamespace()),
+                         "grad_reduce_in_fp32")):
+        with pytest.raises(TypeError, match=f"ddp_config must be a DistributedDataParallelConfig with {field}"):
+            call()

@@ -678,6 +678,16 @@ def compute_per_buffer_param_layout(
                            ddp_config, param_indices)
 
 
+def _config_field(ddp_config: Any, name: str) -> Any:
+    """``ddp_config.<name>``, which upstream reads unguarded: a config without it is refused, not
+    taken as False."""
+    try:
+        return getattr(ddp_config, name)
+    except AttributeError:
+        raise TypeError(f"ddp_config must be a DistributedDataParallelConfig with {name} "
+                        f"(got {type(ddp_config).__name__} without it)") from None
+
+
 def _distopt_layout(param_list: list, numels: Any, shared: Any, bucket_size: Any, data_parallel_world_size: int,
                     ddp_config: Any, param_indices: Any) -> Any:
     layout = plan_layout(
@@ -686,7 +696,7 @@ def _distopt_layout(param_list: list, numels: Any, shared: Any, bucket_size: Any
         bucket_size=bucket_size,
         data_parallel_world_size=data_parallel_world_size,
         use_distributed_optimizer=True,
-        pad_buckets_for_high_nccl_busbw=bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
+        pad_buckets_for_high_nccl_busbw=bool(_config_field(ddp_config, "pad_buckets_for_high_nccl_busbw")),
     )
     # Upstream records the shard count so the range builders can check the group matches.
     return _to_per_buffer_layout(param_list, layout, param_indices, layout.data_parallel_world_size)
@@ -701,12 +711,15 @@ def compute_full_param_layout(
 ) -> Any:
     """``DistributedOptimizer.compute_full_param_layout``: groups params into buffers and lays each out;
     expert-parallel buffers use ``expert_data_parallel_world_size`` (default: the dense dp)."""
-    dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1, max_value=INT64_MAX)
     bucket_size = _check_bucket_size(bucket_size)
-    grouped = _group_params(_param_list(params), bool(getattr(ddp_config, "grad_reduce_in_fp32", False)), True)
-    expert_dp = dp
-    # Checked only when an expert-parallel buffer uses it: upstream never reads it otherwise.
-    if expert_data_parallel_world_size is not None and any(key.is_expert_parallel for key in grouped):
+    grouped = _group_params(_param_list(params), bool(_config_field(ddp_config, "grad_reduce_in_fp32")), True)
+    # Each world size is checked only when a buffer uses it: upstream never reads it otherwise.
+    uses_expert = any(key.is_expert_parallel for key in grouped)
+    dp = expert_dp = None
+    if any(not key.is_expert_parallel for key in grouped) or (uses_expert and expert_data_parallel_world_size is None):
+        dp = expert_dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1,
+                                   max_value=INT64_MAX)
+    if uses_expert and expert_data_parallel_world_size is not None:
         expert_dp = check_int(expert_data_parallel_world_size, "expert_data_parallel_world_size",
                               min_value=1, max_value=INT64_MAX)
     layouts = {}
