@@ -1091,3 +1091,19 @@ def test_drop_ins_read_world_sizes_and_config_fields_as_upstream_does():
                          "grad_reduce_in_fp32")):
         with pytest.raises(TypeError, match=f"ddp_config must be a DistributedDataParallelConfig with {field}"):
             call()
+
+
+def test_arrays_at_an_odd_byte_offset_are_copied_or_refused():
+    """NumPy keeps a view at any byte offset C-contiguous; reading it as int64 would be UB."""
+    buffer = bytearray(8 * 3 + 1)
+    misaligned = np.frombuffer(buffer, dtype=np.int64, count=3, offset=1)
+    misaligned[:] = [2, 1, 3]
+    assert misaligned.ctypes.data % 8 != 0
+    aligned = np.array([2, 1, 3], dtype=np.int64)
+    flags = np.zeros(3, dtype=np.uint8)
+    # The public API copies such an array (aligned); the same groups come back.
+    assert buckets.partition_bucket_indices(flags, misaligned).groups() == \
+        buckets.partition_bucket_indices(flags, aligned).groups()
+    # The native core refuses it.
+    with pytest.raises(ValueError, match="num_buckets must be an aligned array"):
+        _core.buckets_partition(flags, misaligned, False, False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -388,3 +389,67 @@ def test_ctrl_c_at_the_end_of_a_counter_call(tmp_path, one_keyboard_interrupt, c
     assert num_interrupted >= 10, f"only {num_interrupted} of 40 signals landed in the call"
     # That race hit 2 of 880 tries in a review; the bug hit every try that interrupted the call.
     assert num_kept <= 4, f"{num_kept} of {num_interrupted} interrupted calls did their work and kept it"
+
+
+class _RaiseOnce:
+    """A signal handler that raises `error` the first time it runs (a SIGTERM handler calling
+    sys.exit, an alarm raising TimeoutError), then does nothing."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error, self.armed = error, True
+
+    def __call__(self, signum, frame) -> None:
+        if self.armed:
+            self.armed = False
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [TimeoutError("deadline"), SystemExit(0)], ids=["TimeoutError", "SystemExit"])
+@pytest.mark.parametrize("call", ["assign_bins", "count_pretokens"])
+def test_a_signal_handlers_exception_is_raised_as_itself(tmp_path, error, call):
+    """Native work stopped by a signal handler raises what the handler raised, not KeyboardInterrupt."""
+    import signal
+
+    rng = np.random.default_rng(0)
+    if call == "assign_bins":
+        sizes, is_bytes = rng.integers(1, 10**9, 5_000_000), rng.random(5_000_000) < 0.01
+        run = lambda: checkpoint.assign_bins(is_bytes, sizes, 4096)  # noqa: E731
+    else:
+        text = _random_text(32 << 20)
+        run = lambda: bpe.count_pretokens(iter([text]), num_threads=2)  # noqa: E731
+    handler = _RaiseOnce(error)
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, SIGNAL_AFTER_S, 0.02)  # again every 20 ms until it has raised
+        with pytest.raises(type(error)) as raised:
+            run()
+        assert raised.value is error
+        assert not handler.armed
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_signal_handler_shrinking_the_items_list_is_an_error_not_a_crash():
+    """A handler run by the Ctrl-C poll may change the list being read: the size is read after it."""
+    import signal
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    chunk = types.SimpleNamespace(sizes=torch.Size([7, 4]))
+    tensor_data = types.SimpleNamespace(chunk=chunk, size=torch.Size([7, 4]),
+                                        properties=types.SimpleNamespace(dtype=torch.float32))
+    for num_threads in (1, 2):
+        items = [types.SimpleNamespace(type=WriteItemType.TENSOR, tensor_data=tensor_data) for _ in range(1_500_000)]
+
+        def shrink(signum, frame):
+            del items[10:]
+
+        previous = signal.signal(signal.SIGALRM, shrink)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+            with pytest.raises(ValueError, match="items changed length while being read"):
+                checkpoint.split_by_size_and_type(4, items, num_threads=num_threads)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)

@@ -140,7 +140,8 @@ class Encoder {
     const size_t limit = encoder_->dense_id_limit();
     id_objects_.resize(limit);
     uint64_t step = 0;
-    for (const auto& used : {span_1d(ids, "ids"), span_1d(special_ids, "special_ids")}) {
+    // Copies: the signal check below runs Python code, which could resize the arrays meanwhile.
+    for (const auto& used : {snapshot(span_1d(ids, "ids")), snapshot(span_1d(special_ids, "special_ids"))}) {
       for (const int64_t id : used) {
         check_signals_every_2_16(step++);
         if (id >= 0 && static_cast<uint64_t>(id) < limit && !id_objects_[static_cast<size_t>(id)]) {

@@ -130,12 +130,10 @@ bool report_progress(const py::object& progress, int64_t bytes_done) {
 
 // Ctrl-C polling that also reports progress.
 Interrupt progress_interrupt(const py::object& progress, const std::atomic<int64_t>& bytes_done) {
+  clear_signal_error();
   return Interrupt([&progress, &bytes_done] {
     py::gil_scoped_acquire gil;
-    if (PyErr_CheckSignals() != 0) {
-      PyErr_Clear();
-      return true;
-    }
+    if (poll_signal_handlers()) return true;
     return report_progress(progress, bytes_done.load(std::memory_order_relaxed));
   }, std::chrono::milliseconds(100));
 }

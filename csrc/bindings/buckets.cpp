@@ -27,6 +27,7 @@ std::span<const int64_t> span_2col(const CArray<int64_t>& array, const char* nam
   if (array.ndim() != 2 || array.shape(1) != 2) {
     throw py::value_error(std::string(name) + " must have shape [num_buckets, 2]");
   }
+  check_aligned(array, name);
   return {array.data(), static_cast<size_t>(array.shape(0) * 2)};
 }
 
@@ -66,8 +67,8 @@ py::tuple shard_ranges(const CArray<int64_t>& param_start, const CArray<int64_t>
   const std::span<const int64_t> starts(start_copy), ends(end_copy), ids(id_copy), buckets_span(bucket_copy);
   buckets::ShardRanges ranges;
   {
-    py::gil_scoped_release release;
     Interrupt interrupt = python_interrupt();
+    py::gil_scoped_release release;
     ranges = buckets::shard_ranges(starts, ends, ids, buckets_span, data_parallel_world_size, rank_begin,
                                    rank_end, reverse_order, num_threads, &interrupt);
   }
@@ -364,9 +365,10 @@ py::object group_params(const py::list& params, bool grad_reduce_in_fp32, const 
 // dict takes that hash directly instead of calling the Python-level __hash__ per param.
 py::dict index_map(const py::list& params, const CArray<int64_t>& param_start, const CArray<int64_t>& param_end,
                    const CArray<int64_t>& bucket_id, const py::object& id_hash_type) {
-  const auto starts = span_1d(param_start, "param_start");
-  const auto ends = span_1d(param_end, "param_end");
-  const auto ids = span_1d(bucket_id, "bucket_id");
+  // Copies: a param's __hash__ runs Python code, which could resize these arrays meanwhile.
+  const std::vector<int64_t> starts = snapshot(span_1d(param_start, "param_start"));
+  const std::vector<int64_t> ends = snapshot(span_1d(param_end, "param_end"));
+  const std::vector<int64_t> ids = snapshot(span_1d(bucket_id, "bucket_id"));
   // A snapshot, as upstream iterates a copy: a param's __hash__ may change the caller's list.
   const py::tuple owned_params(params);
   const auto n = static_cast<size_t>(PyTuple_GET_SIZE(owned_params.ptr()));

@@ -309,13 +309,17 @@ ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
   LastDtype last;
   size_t i = 0;
   while (i < num_items) {
-    // A duck-typed item's property may run code that changes the list.
+    const bool parallel = num_threads > 1 && fast_run >= kFastRunBeforeParallel && num_items - i >= kMinParallelRead;
+    // The GIL is held here, so Python's signal handlers run only when asked.
+    if (parallel) {
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    } else {
+      check_signals_every_2_16(i);
+    }
+    // A signal handler or a duck-typed item's property may have run code that changed the list.
     const auto list_size = static_cast<size_t>(PyList_GET_SIZE(items.ptr()));
     if (i >= list_size) throw py::value_error("items changed length while being read");
-    if (num_threads > 1 && fast_run >= kFastRunBeforeParallel &&
-        num_items - i >= kMinParallelRead) {
-      // The GIL is held here, so Python's Ctrl-C handler runs only when asked.
-      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (parallel) {
       const size_t end = std::min({num_items, list_size, i + kParallelReadChunk});
       const size_t stop = read_fast_in_parallel(ctx, items.ptr(), i, end, num_threads, out);
       num_fast += static_cast<int64_t>(stop - i);
@@ -323,7 +327,6 @@ ItemArrays read_items(const py::list& items, const py::object& byte_io_type,
       if (stop < end) fast_run = 0;  // item `stop` needs the serial path
       continue;
     }
-    check_signals_every_2_16(i);
     PyObject* item = PyList_GET_ITEM(items.ptr(), i);
     if (read_item_fast(ctx, last, item, out.is_bytes[i], out.sizes[i])) {
       ++num_fast;

@@ -4,6 +4,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -20,12 +21,23 @@ template <typename T>
 using CArray = py::array_t<T, py::array::c_style>;
 
 // A read-only span over a 1-D C-contiguous array; `name` is the Python argument name for errors.
+// NumPy keeps a view at any byte offset (np.frombuffer(buf, offset=1)) C-contiguous; reading its
+// elements through a T* would be undefined behaviour.
+template <typename T>
+void check_aligned(const CArray<T>& array, const char* name) {
+  if (reinterpret_cast<uintptr_t>(array.data()) % alignof(T) != 0) {
+    throw py::value_error(std::string(name) + " must be an aligned array (got a view at an odd byte offset; "
+                          "pass numpy.require(a, requirements='CA'))");
+  }
+}
+
 template <typename T>
 std::span<const T> span_1d(const CArray<T>& array, const char* name) {
   if (array.ndim() != 1) {
     throw py::value_error(std::string(name) + " must be 1-D (got " + std::to_string(array.ndim()) +
                           "-D)");
   }
+  check_aligned(array, name);
   return {array.data(), static_cast<size_t>(array.shape(0))};
 }
 
@@ -114,16 +126,39 @@ py::array_t<T> to_numpy(std::vector<T, Allocator>&& values, std::vector<py::ssiz
   return py::array_t<T>(shape, owned->data(), free_when_done);
 }
 
+// What a signal handler raised during a poll (Ctrl-C's KeyboardInterrupt, a SIGTERM handler's
+// SystemExit, an alarm's TimeoutError), held until the Interrupted it causes reaches Python, where
+// the translator in module.cpp raises it again. Polls run on the calling thread, with the GIL.
+struct SignalError {
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+};
+inline thread_local SignalError g_signal_error;
+
+// Drops a held error (a call whose Interrupted was overtaken by another error); the GIL is held.
+inline void clear_signal_error() {
+  Py_CLEAR(g_signal_error.type);
+  Py_CLEAR(g_signal_error.value);
+  Py_CLEAR(g_signal_error.traceback);
+}
+
+// Runs Python's signal handlers (the GIL is held): true, holding what they raised, to stop.
+inline bool poll_signal_handlers() {
+  if (PyErr_CheckSignals() == 0) return false;
+  clear_signal_error();
+  PyErr_Fetch(&g_signal_error.type, &g_signal_error.value, &g_signal_error.traceback);
+  return true;
+}
+
 // An Interrupt whose poll runs Python's signal handlers (so Ctrl-C stops native work); it must be
-// checked only from the thread that called into the extension, with the GIL released.
+// checked only from the thread that called into the extension, with the GIL released. Made with
+// the GIL held, at the start of a call.
 inline Interrupt python_interrupt() {
+  clear_signal_error();
   return Interrupt([] {
     py::gil_scoped_acquire gil;
-    if (PyErr_CheckSignals() != 0) {
-      PyErr_Clear();  // re-raised as KeyboardInterrupt by the Interrupted translator
-      return true;
-    }
-    return false;
+    return poll_signal_handlers();
   });
 }
 

@@ -1,16 +1,25 @@
 #include <pybind11/pybind11.h>
 
+#include <utility>
+
 #include "bindings/common.h"
 #include "common/check.h"
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "trainfast native core (private: use the trainfast package)";
-  // std::invalid_argument already maps to ValueError; Interrupted is Ctrl-C seen by native code.
+  // std::invalid_argument already maps to ValueError; Interrupted is a signal handler's exception
+  // (Ctrl-C's KeyboardInterrupt ...) seen by native code.
   pybind11::register_exception_translator([](std::exception_ptr error) {
     try {
       if (error) std::rethrow_exception(error);
     } catch (const trainfast::Interrupted&) {
-      PyErr_SetNone(PyExc_KeyboardInterrupt);
+      auto& held = trainfast::bindings::g_signal_error;
+      if (held.type != nullptr) {
+        PyErr_Restore(std::exchange(held.type, nullptr), std::exchange(held.value, nullptr),
+                      std::exchange(held.traceback, nullptr));
+      } else {
+        PyErr_SetNone(PyExc_KeyboardInterrupt);
+      }
     }
   });
   trainfast::bindings::register_checkpoint(m);

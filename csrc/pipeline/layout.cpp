@@ -112,11 +112,15 @@ bool known_char(char c) { return c == 'E' || c == 'L' || c == 't' || c == 'm'; }
 std::string describe_char(std::string_view ch) {
   const auto lead = static_cast<unsigned char>(ch[0]);
   std::string out = "'";
-  if (ch.size() == 1 && (lead < 0x20 || lead >= 0x7f)) {
+  // Not UTF-8 (a lone byte, or more continuation bytes than a character has): every byte escaped.
+  if ((ch.size() == 1 && (lead < 0x20 || lead >= 0x7f)) || ch.size() > 4) {
     static const char* hex = "0123456789abcdef";
-    out += "\\x";
-    out += hex[lead >> 4];
-    out += hex[lead & 15];
+    for (const char c : ch) {
+      const auto byte = static_cast<unsigned char>(c);
+      out += "\\x";
+      out += hex[byte >> 4];
+      out += hex[byte & 15];
+    }
     return out + "'";
   }
   out.append(ch);

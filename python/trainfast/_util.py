@@ -166,7 +166,7 @@ def as_array(
             raise ValueError(f"{name} has values that do not fit in {target} (max {value.max()})")
         # A flag is "nonzero", not its low byte (256 must not become False).
         value = (value != 0).astype(target) if kind == "bool" else value.astype(target)
-    return np.ascontiguousarray(value)
+    return np.require(value, requirements="CA")  # a view at an odd byte offset is copied, aligned
 
 
 def check_ints_fit_int64(values: np.ndarray, name: str) -> None:
