@@ -365,7 +365,7 @@ def test_cli_train(shared_dir, tmp_path):
     assert vocab[256] == SPECIAL.encode()
 
 
-def test_cli_train_refuses_before_training(shared_dir, tmp_path, caplog, monkeypatch):
+def test_cli_train_refuses_before_training(shared_dir, tmp_path, caplog, capsys, monkeypatch):
     from trainfast.bpe import train as train_module
     from trainfast.cli import main
 
@@ -383,6 +383,7 @@ def test_cli_train_refuses_before_training(shared_dir, tmp_path, caplog, monkeyp
         (["bpe", "train", corpus, "--out", str(tmp_path / "file")], "--out .* is not a directory"),
         (["bpe", "train", corpus, "--out", str(tmp_path / "file" / "sub")], "is not a directory"),
         (["bpe", "train", corpus, "--special-token", "a", "--out", str(tmp_path / "o")], "'a' is one byte"),
+        (["bpe", "train", corpus, "--out", ""], "--out must not be empty"),
         (["bpe", "train", "--from-counts", str(tmp_path / "ok.tfwc"), "--out", str(tmp_path / "file")],
          "--out .* is not a directory"),
         # The counts' own special tokens are checked as well as --special-token.
@@ -394,6 +395,9 @@ def test_cli_train_refuses_before_training(shared_dir, tmp_path, caplog, monkeyp
             assert main([*argv, "--vocab-size", "300", "--no-progress"]) == 2, argv
         assert re.search(message, caplog.text), (argv, caplog.text)
     assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit):  # argparse's usage error names the flag
+        main(["bpe", "train", corpus, "--threads", "two", "--vocab-size", "300", "--out", str(tmp_path / "o")])
+    assert "argument --threads: must be an int (got 'two')" in capsys.readouterr().err
 
 
 def test_ctrl_c_raises_keyboard_interrupt(sigint_repeatedly):

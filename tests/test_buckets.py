@@ -1107,3 +1107,10 @@ def test_arrays_at_an_odd_byte_offset_are_copied_or_refused():
     # The native core refuses it.
     with pytest.raises(ValueError, match="num_buckets must be an aligned array"):
         _core.buckets_partition(flags, misaligned, False, False)
+    # EPLB's public API copies it too.
+    from trainfast import eplb
+
+    weight = np.frombuffer(bytearray(8 * 12 + 1), dtype=np.int64, count=12, offset=1).reshape(1, 12)
+    weight[:] = np.arange(1, 13)
+    got, expected = eplb.rebalance_experts(weight, 16, 4, 2, 8), eplb.rebalance_experts(weight.copy(), 16, 4, 2, 8)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

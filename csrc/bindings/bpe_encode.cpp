@@ -135,9 +135,9 @@ class Encoder {
         token_views, span_1d(ids, "ids"), span_1d(merge_left, "merge_left"), span_1d(merge_right, "merge_right"),
         span_1d(merge_result, "merge_result"), special_views, span_1d(special_ids, "special_ids"),
         static_cast<bpe::Pattern>(pattern));
-    // Int objects for the ids in use only, below the core's dense limit (0 for a sparse vocab, one
-    // with a stray id of 10^8). Gaps and the ids past it stay null: to_list makes those on demand.
-    const size_t limit = encoder_->dense_id_limit();
+    // Int objects for the ids in use only, below the bound of a dense vocab (a sparse one, with a
+    // stray id of 10^8, keeps its small ids here). Gaps and larger ids: to_list makes those on demand.
+    const size_t limit = static_cast<size_t>(std::min<int64_t>(max_id + 1, 4 * static_cast<int64_t>(id_span.size()) + 65536));
     id_objects_.resize(limit);
     uint64_t step = 0;
     // Copies: the signal check below runs Python code, which could resize the arrays meanwhile.

@@ -116,14 +116,17 @@ py::array_t<int64_t> pretokenize_ends(const py::str& text, int pattern) {
   return to_numpy(std::move(char_ends));
 }
 
-// Reports progress (bytes counted so far) to a Python callable, if any; the GIL is held. Progress
-// display is best effort: true only when a Ctrl-C landed in it, which still stops the count.
+// Reports progress (bytes counted so far) to a Python callable, if any; the GIL is held. Signal
+// handlers run inside it too (Ctrl-C, an alarm): what it raises stops the count and is raised as
+// itself (true). The display's own failures are handled in Python (_Progress).
 bool report_progress(const py::object& progress, int64_t bytes_done) {
   if (progress.is_none()) return false;
   try {
     progress(bytes_done);
   } catch (py::error_already_set& error) {
-    return error.matches(PyExc_KeyboardInterrupt);
+    error.restore();
+    hold_current_error();
+    return true;
   }
   return false;
 }
@@ -245,7 +248,7 @@ class Counter {
   void report_done(const py::object& progress, int64_t bytes_done) {
     if (report_progress(progress, bytes_done)) {
       counter_->mark_broken();
-      PyErr_SetNone(PyExc_KeyboardInterrupt);
+      restore_held_error();
       throw py::error_already_set();
     }
     fail_on_pending_signal();

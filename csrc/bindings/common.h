@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/parallel.h"
@@ -143,11 +144,26 @@ inline void clear_signal_error() {
   Py_CLEAR(g_signal_error.traceback);
 }
 
+// Moves the pending Python error into g_signal_error (the GIL is held).
+inline void hold_current_error() {
+  clear_signal_error();
+  PyErr_Fetch(&g_signal_error.type, &g_signal_error.value, &g_signal_error.traceback);
+}
+
+// Sets the held error as Python's pending one (KeyboardInterrupt if none is held); the GIL is held.
+inline void restore_held_error() {
+  if (g_signal_error.type == nullptr) {
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    return;
+  }
+  PyErr_Restore(std::exchange(g_signal_error.type, nullptr), std::exchange(g_signal_error.value, nullptr),
+                std::exchange(g_signal_error.traceback, nullptr));
+}
+
 // Runs Python's signal handlers (the GIL is held): true, holding what they raised, to stop.
 inline bool poll_signal_handlers() {
   if (PyErr_CheckSignals() == 0) return false;
-  clear_signal_error();
-  PyErr_Fetch(&g_signal_error.type, &g_signal_error.value, &g_signal_error.traceback);
+  hold_current_error();
   return true;
 }
 

@@ -22,7 +22,8 @@ py::array_t<T> buffer_to_numpy(eplb::Buffer<T>&& values, std::vector<py::ssize_t
 }
 
 template <typename T>
-std::span<const T> flat(const CArray<T>& array) {
+std::span<const T> flat(const CArray<T>& array, const char* name) {
+  check_aligned(array, name);
   return {array.data(), static_cast<size_t>(array.size())};
 }
 
@@ -41,9 +42,9 @@ std::shared_ptr<eplb::Replication> replicate(const CArray<float>& weight, int64_
   auto out = std::make_shared<eplb::Replication>();
   auto interrupt = python_interrupt();
   // Copies, read once each: the core reads weights in several passes without the GIL.
-  const std::vector<float> weight_copy = snapshot(flat(weight));
-  const std::vector<float> loads_copy = snapshot(flat(group_loads));
-  const std::vector<int64_t> order_copy = snapshot(flat(group_order));
+  const std::vector<float> weight_copy = snapshot(flat(weight, "weight"));
+  const std::vector<float> loads_copy = snapshot(flat(group_loads, "group_loads"));
+  const std::vector<int64_t> order_copy = snapshot(flat(group_order, "group_order"));
   const std::span<const float> weight_span(weight_copy), loads_span(loads_copy);
   const std::span<const int64_t> order_span(order_copy);
   {
@@ -57,7 +58,7 @@ std::shared_ptr<eplb::Replication> replicate(const CArray<float>& weight, int64_
 py::tuple place(Self<eplb::Replication> replication_arg, const CArray<int64_t>& replica_order, bool refine,
                 bool avoid_gpu_duplicates, int num_threads) {
   const eplb::Replication& replication = *replication_arg;
-  const std::vector<int64_t> order_copy = snapshot(flat(replica_order));
+  const std::vector<int64_t> order_copy = snapshot(flat(replica_order, "replica_order"));
   const std::span<const int64_t> order_span(order_copy);
   eplb::PlaceOptions options{refine, avoid_gpu_duplicates};
   auto interrupt = python_interrupt();
@@ -83,7 +84,7 @@ py::tuple int_loads_typed(const py::array& weight_any, int64_t num_groups) {
   if (num_groups < 0 || num_groups > cols) num_groups = 0;
   eplb::Buffer<float> out(rows * cols), group_loads(num_groups > 0 ? rows * num_groups : 0);
   bool exact = false;
-  const std::vector<Int> weight_copy = snapshot(flat(weight));
+  const std::vector<Int> weight_copy = snapshot(flat(weight, "weight"));
   {
     py::gil_scoped_release release;
     exact = eplb::int_loads<Int>(weight_copy, rows, cols, num_groups, out, group_loads);
@@ -111,8 +112,8 @@ py::tuple balanced_packing_typed(const py::array& weight_any, const CArray<int64
   }
   // Uninitialized (the core writes every entry): zeroing gigabytes up front held the GIL and Ctrl-C.
   eplb::Buffer<int64_t> pack_index(rows * items), rank_in_pack(rows * items);
-  const std::vector<T> weight_copy = snapshot(flat(weight));
-  const std::vector<int64_t> order_copy = snapshot(flat(order));
+  const std::vector<T> weight_copy = snapshot(flat(weight, "weight"));
+  const std::vector<int64_t> order_copy = snapshot(flat(order, "order"));
   Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;
@@ -141,7 +142,7 @@ py::tuple replicate_experts_typed(const py::array& weight_any, int64_t num_phy, 
   check_output_fits("replicate_experts: phy2log and rank of rows x num_phy slots",
                     checked_mul(rows, num_phy).value_or(INT64_MAX), 2 * sizeof(int64_t));
   eplb::Buffer<int64_t> phy2log(rows * num_phy), rank(rows * num_phy), logcnt(rows * num_log);  // all written
-  const std::vector<T> weight_copy = snapshot(flat(weight));
+  const std::vector<T> weight_copy = snapshot(flat(weight, "weight"));
   Interrupt interrupt = python_interrupt();
   {
     py::gil_scoped_release release;

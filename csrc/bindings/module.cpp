@@ -1,7 +1,5 @@
 #include <pybind11/pybind11.h>
 
-#include <utility>
-
 #include "bindings/common.h"
 #include "common/check.h"
 
@@ -13,13 +11,7 @@ PYBIND11_MODULE(_core, m) {
     try {
       if (error) std::rethrow_exception(error);
     } catch (const trainfast::Interrupted&) {
-      auto& held = trainfast::bindings::g_signal_error;
-      if (held.type != nullptr) {
-        PyErr_Restore(std::exchange(held.type, nullptr), std::exchange(held.value, nullptr),
-                      std::exchange(held.traceback, nullptr));
-      } else {
-        PyErr_SetNone(PyExc_KeyboardInterrupt);
-      }
+      trainfast::bindings::restore_held_error();
     }
   });
   trainfast::bindings::register_checkpoint(m);

@@ -219,6 +219,8 @@ def check_output_dir(option: str, path: Any) -> None:
     (its nearest existing ancestor is a writable directory). Nothing is created here."""
     from pathlib import Path
 
+    if not str(path):
+        raise ValueError(f"{option} must not be empty (give a directory)")
     target = Path(path).absolute()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"{option} {str(path)!r} is not a directory")

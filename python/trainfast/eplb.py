@@ -87,7 +87,7 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biuf":
             raise TypeError(f"{name} must have a real numeric dtype (got NumPy {value.dtype})")
-        return torch.from_numpy(np.ascontiguousarray(value))
+        return torch.from_numpy(np.require(value, requirements="CA"))  # a view at an odd byte offset: copied
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence (got {type(value).__name__})")
     try:
@@ -402,7 +402,7 @@ def _placement_table(value: Any, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be 2-D (got shape {tuple(value.shape)})")
     if value.dtype.kind == "u" and value.size and value.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{name} has values that do not fit in int64 (max {value.max()})")
-    return np.ascontiguousarray(value, dtype=np.int64)
+    return np.require(value, dtype=np.int64, requirements="CA")
 
 
 def gpu_loads(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> np.ndarray:

@@ -230,7 +230,10 @@ class _Progress:
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.update(max(0, done - self.done))
+            try:
+                self.bar.update(max(0, done - self.done))
+            except (ValueError, BrokenPipeError):  # stderr closed: the display is best effort, the count goes on
+                self.bar = None
         elif time.monotonic() - self.last_log >= 5.0:
             self.last_log = time.monotonic()
             total = f" of {self.total / 1e6:,.1f} MB" if self.total else ""

@@ -13,7 +13,10 @@ _DEMO_CORPUS = Path(__file__).resolve().parents[1] / "bpe" / "data" / "corpus.en
 
 
 def _thread_count(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int (got {text!r})") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
     return value
