@@ -231,7 +231,9 @@ def _decode_command(args: argparse.Namespace) -> int:
                 data = tokenizer.decode_bytes(part)
             except ValueError:  # an unknown id: named by its index in the file, not in the slice
                 vocab = tokenizer.vocab
-                idx = next(k for k, token_id in enumerate(part.tolist()) if token_id not in vocab)
+                idx = next((k for k, token_id in enumerate(part.tolist()) if token_id not in vocab), None)
+                if idx is None:
+                    raise
                 raise ValueError(f"{args.input}: ids[{begin + idx}] = {part[idx]} is not a token id of this "
                                  "vocabulary") from None
             f.write(data)
