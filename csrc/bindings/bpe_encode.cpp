@@ -137,7 +137,7 @@ class Encoder {
         static_cast<bpe::Pattern>(pattern));
     // Int objects for the ids in use only, below the bound of a dense vocab (a sparse one, with a
     // stray id of 10^8, keeps its small ids here). Gaps and larger ids: to_list makes those on demand.
-    const size_t limit = static_cast<size_t>(std::min<int64_t>(max_id + 1, 4 * static_cast<int64_t>(id_span.size()) + 65536));
+    const size_t limit = static_cast<size_t>(std::min(max_id + 1, bpe::BpeEncoder::dense_id_bound(id_span.size())));
     id_objects_.resize(limit);
     uint64_t step = 0;
     // Copies: the signal check below runs Python code, which could resize the arrays meanwhile.

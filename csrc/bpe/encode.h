@@ -49,13 +49,10 @@ class BpeEncoder {
   // its own encoding followed by the encoding of the rest (0 when no such cut is known).
   size_t safe_cut(std::string_view text, Interrupt* interrupt = nullptr) const;
 
-  // Ids below this are looked up in tables indexed by id (empty when the vocab is sparse).
-  size_t dense_id_limit() const { return id_to_token_offset_.size(); }
-  // Whether a vocab of `num_tokens` tokens whose largest id is `max_id` gets tables indexed by id:
-  // a stray id of 10^8 in a 50k vocab would cost gigabytes, so such a vocab keeps its ids sorted.
-  static bool ids_are_dense(int64_t max_id, size_t num_tokens) {
-    return max_id < 4 * static_cast<int64_t>(num_tokens) + 65536;
-  }
+  // Ids below this bound are dense enough for tables indexed by id: a stray id of 10^8 in a 50k
+  // vocab would cost gigabytes, so a vocab with an id past it keeps its ids sorted instead.
+  static int64_t dense_id_bound(size_t num_tokens) { return 4 * static_cast<int64_t>(num_tokens) + 65536; }
+  static bool ids_are_dense(int64_t max_id, size_t num_tokens) { return max_id < dense_id_bound(num_tokens); }
 
  private:
   struct Lease;

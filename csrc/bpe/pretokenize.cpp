@@ -918,17 +918,8 @@ class alignas(128) CountTable {
     return slot.len() <= kInlineBytes ? reinterpret_cast<const uint8_t*>(&slot.w0) : arena_.data() + slot.w1;
   }
 
-  // Frees everything; the next work item allocates again.
-  void clear() {
-    ZeroedArray<Slot>().swap(slots_);
-    mask_ = 0;
-    shift_ = 32;
-    wanted_bits_ = kInitialBits;
-    std::vector<uint32_t>().swap(order_);
-    std::vector<Run>().swap(runs_);
-    std::vector<uint64_t>(1, 0).swap(key_bytes_before_);
-    std::vector<uint8_t>().swap(arena_);
-  }
+  // Frees everything (on the calling thread); the next work item allocates again.
+  void clear() { *this = CountTable(); }
 
   // Sizes an empty table for about `input_bytes` of text, so it need not grow (rehash) step by
   // step from a few thousand slots: about one slot per 128 bytes (English has ~1 unique

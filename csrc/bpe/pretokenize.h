@@ -49,10 +49,9 @@ class SpecialTokenMatcher {
 
  private:
   // The tokens as a byte trie with each chain of single-child nodes folded into one edge (a radix
-  // tree): each
-  // position is matched by one walk, however many tokens there are (trying each token in turn cost
-  // seconds per 10 MB with 2000 tokens of one prefix), and a long token's bytes are compared by
-  // memcmp, not byte by byte.
+  // tree): each position is matched by one walk, however many tokens there are (trying each token
+  // in turn cost seconds per 10 MB with 2000 tokens of one prefix), and a long token's bytes are
+  // compared by memcmp, not byte by byte.
   struct Node {
     uint32_t first_edge = 0;  // its edges: [first_edge, first_edge + num_edges), by first byte
     uint32_t num_edges = 0;

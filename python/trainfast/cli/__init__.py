@@ -49,10 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `trainfast ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush stays quiet
         return 128 + signal.SIGPIPE
-    except (ValueError, TypeError, OSError) as error:
-        logging.getLogger("trainfast").error("trainfast %s: error: %s", args.command, error)
-        return 2
-    except ImportError as error:  # an optional package this command needs (regex, matplotlib ...)
+    except (ValueError, TypeError, OSError, ImportError) as error:  # ImportError: an optional package (regex ...)
         logging.getLogger("trainfast").error("trainfast %s: error: %s", args.command, error)
         return 2
     except MemoryError:  # sizes asked on the command line (--layers, --bins ...) beyond this machine

@@ -50,12 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.set_defaults(handler=_train_command)
 
 
-def check_train_output(out: str, special_tokens: list[str], source: str = "--special-token") -> None:
-    """Before training, not at the save after it: --out can hold the files, and vocab.json can hold
-    the special tokens (it maps each token to one id)."""
-    from trainfast._util import check_output_dir
-
-    check_output_dir("--out", out)
+def check_special_tokens_fit_vocab_json(special_tokens: list[str], source: str = "--special-token") -> None:
+    """Before training, not at the save after it: vocab.json maps each token to one id, so a one-byte
+    special token (already a byte token) cannot be saved."""
     for token in special_tokens:
         if len(token.encode("utf-8", "surrogatepass")) == 1:
             raise ValueError(f"{source} {token!r} is one byte, already token {ord(token)} of the byte "
@@ -63,9 +60,11 @@ def check_train_output(out: str, special_tokens: list[str], source: str = "--spe
 
 
 def _train_command(args: argparse.Namespace) -> int:
+    from trainfast._util import check_output_dir
     from trainfast.bpe import save, train_bpe
 
-    check_train_output(args.out, args.special_tokens)
+    check_output_dir("--out", args.out)  # before the work, not at the save after it
+    check_special_tokens_fit_vocab_json(args.special_tokens)
     start = time.perf_counter()
     # --pattern defaults to None so that --from-counts can tell an explicit gpt2 from none given.
     pattern = "gpt2" if args.pattern is None else args.pattern

@@ -103,17 +103,18 @@ def _train_command(args: argparse.Namespace, corpus_handler) -> int:
         raise ValueError("give either text files or --from-counts, not both")
     from trainfast.bpe import save
     from trainfast.bpe.counts import WordCounts, _pattern_key, train_from_counts
-    from trainfast.cli.bpe import check_train_output
+    from trainfast._util import check_output_dir
+    from trainfast.cli.bpe import check_special_tokens_fit_vocab_json
 
-    check_train_output(args.out, [])
+    check_output_dir("--out", args.out)  # before the work, not at the save after it
     start = time.perf_counter()
     counts = WordCounts.load(args.from_counts[0])
     for path in args.from_counts[1:]:
         counts += WordCounts.load(path)
     if args.special_tokens:
-        check_train_output(args.out, args.special_tokens)
+        check_special_tokens_fit_vocab_json(args.special_tokens)
     else:
-        check_train_output(args.out, list(counts.special_tokens), "the counts' special token")
+        check_special_tokens_fit_vocab_json(list(counts.special_tokens), "the counts' special token")
     # Training never re-reads the text, so --pattern can only be a check: any spelling of the counts'
     # pattern passes ("cl100k_base" is "cl100k", the GPT-2 regex text is "gpt2"), anything else is refused.
     if args.pattern is not None and _pattern_key(args.pattern) != _pattern_key(counts.pattern):
