@@ -604,6 +604,22 @@ def test_sparse_vocab_ids_encode_and_decode():
             tokenizer.decode([120, unknown])
 
 
+@pytest.fixture(scope="module")
+def small_sparse(small):
+    """The small vocab with its merged tokens moved to ids far past the dense bound (kept sorted)."""
+    vocab, merges = small
+    sparse = {(i if i < 256 else 10**8 + 9973 * i): token for i, token in vocab.items()}
+    return Tokenizer(sparse, merges, [EOT]), ReferenceTokenizer(sparse, merges, [EOT])
+
+
+@given(text=st.one_of(_texts, _any_text))
+def test_hypothesis_sparse_ids_match_oracle(small_sparse, text):
+    tokenizer, reference = small_sparse
+    ids = tokenizer.encode(text + EOT + text)
+    assert ids == reference.encode(text + EOT + text)
+    assert tokenizer.decode(ids) == text + EOT + text
+
+
 def test_special_tokens_from_dict_keys_keep_their_order():
     vocab = {i: bytes([i]) for i in range(256)}
     specials = {"<b>": None, "<a>": None}
