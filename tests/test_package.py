@@ -50,3 +50,28 @@ def test_native_core_uses_no_iostreams():
             for number, line in enumerate(path.read_text().splitlines(), 1)
             if re.search(r"#include\s*<(sstream|iostream|fstream|ostream|istream)>", line)]
     assert uses == []
+
+
+def _public_modules() -> list[str]:
+    import pkgutil
+
+    names = ["trainfast"]
+    for info in pkgutil.walk_packages(trainfast.__path__, "trainfast."):
+        if not any(part.startswith("_") for part in info.name.split(".")[1:]):
+            names.append(info.name)
+    return sorted(names)
+
+
+def test_docstring_examples_run():
+    # Every `>>>` example in a public module's docstrings is output the reader can trust.
+    import doctest
+    import importlib
+
+    attempted_by_module = {}
+    for name in _public_modules():
+        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, f"a docstring example in {name} fails (doctest output above)"
+        attempted_by_module[name] = result.attempted
+    for name in ("trainfast.bpe.pretokenize", "trainfast.bpe.train", "trainfast.bpe.tokenizer", "trainfast.buckets",
+                 "trainfast.checkpoint", "trainfast.eplb", "trainfast.pipeline"):
+        assert attempted_by_module[name] > 0, f"{name} has no docstring example"

@@ -193,6 +193,13 @@ def pretokenize(text: str, *, pattern: Any = "gpt2", special_tokens: Sequence[st
         pattern: ``"gpt2"`` (CS336 / GPT-2), ``"cl100k"`` or ``"o200k"`` (tiktoken), or another
             regular expression, which falls back to the ``regex`` package (slower).
         special_tokens: non-empty str tokens without lone surrogates (a repeat changes nothing).
+
+    >>> pretokenize("Hello, world! It's 2024.")
+    ['Hello', ',', ' world', '!', ' It', "'s", ' 2024', '.']
+    >>> pretokenize("I'M   here", pattern="cl100k")
+    ['I', "'M", '  ', ' here']
+    >>> pretokenize("a<|endoftext|>b", special_tokens=["<|endoftext|>"])
+    ['a', '<|endoftext|>', 'b']
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a str (got {type(text).__name__})")
@@ -288,6 +295,9 @@ def count_pretokens(
     Returns:
         dict[bytes, int] with int64-range counts. (Private: ``_native_table=True`` returns a native
         ``_core.BpeWordTable`` instead for the named patterns, for ``train_bpe``.)
+
+    >>> count_pretokens(iter(["the cat", "the dog"]), num_threads=1)
+    {b'the': 2, b' cat': 1, b' dog': 1}
     """
     native_id, compiled = _resolve_pattern(pattern)
     _check_pieces_pattern(compiled)

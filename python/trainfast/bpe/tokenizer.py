@@ -51,6 +51,16 @@ class Tokenizer:
         pattern: pre-tokenizer: ``"gpt2"`` (default), ``"cl100k"``, ``"o200k"`` (native scanners)
             or another regular expression (``regex`` package, slower, ``encode_iterable`` then
             reads the whole input before yielding).
+
+    >>> from trainfast.bpe import train_bpe
+    >>> vocab, merges = train_bpe(iter(["low lower lowest<|endoftext|>low low"]), 262,
+    ...                           ["<|endoftext|>"], show_progress=False)
+    >>> tokenizer = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    >>> ids = tokenizer.encode(" lowest<|endoftext|>")
+    >>> ids, [vocab[token_id] for token_id in ids]
+    ([260, 261, 256], [b' lowe', b'st', b'<|endoftext|>'])
+    >>> tokenizer.decode(ids)
+    ' lowest<|endoftext|>'
     """
 
     def __init__(

@@ -59,6 +59,13 @@ def train_bpe(
     Returns:
         ``(vocab, merges)``: ``vocab`` maps ids ``0..len-1`` to token bytes (layout in the module
         docstring); ``merges`` lists ``(left, right)`` byte pairs in creation order.
+
+    >>> vocab, merges = train_bpe(iter(["low lower lowest<|endoftext|>low low"]), 262,
+    ...                           ["<|endoftext|>"], show_progress=False)
+    >>> merges
+    [(b'o', b'w'), (b'l', b'ow'), (b' ', b'low'), (b' low', b'e'), (b's', b't')]
+    >>> len(vocab), vocab[256], vocab[261]
+    (262, b'<|endoftext|>', b'st')
     """
     special_tokens = _check_special_tokens(special_tokens, unique=True)
     vocab_size = _check_vocab_size(vocab_size, special_tokens)
