@@ -113,6 +113,27 @@ def test_progress_without_stderr(shared_dir, monkeypatch):
     assert train_bpe(path, 300, [SPECIAL], show_progress=True) == _train(path, 300, [SPECIAL])
 
 
+class _ClosedTerminal:
+    """A terminal stderr that has gone away: tqdm's writes raise as on a closed file."""
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        raise ValueError("I/O operation on closed file")
+
+    def flush(self):
+        raise ValueError("I/O operation on closed file")
+
+
+def test_progress_on_a_closed_terminal_does_not_stop_training(shared_dir, monkeypatch):
+    # The bar is best effort: losing the terminal mid-run must not cost the run.
+    path = _fixture(shared_dir, "corpus.en")
+    expected = _train(path, 300, [SPECIAL])
+    monkeypatch.setattr("sys.stderr", _ClosedTerminal())
+    assert train_bpe(path, 300, [SPECIAL], show_progress=True) == expected
+
+
 def test_save_rejects_duplicate_tokens(tmp_path):
     with pytest.raises(ValueError, match="vocab"):
         save({0: b"a", 1: b"a"}, [], tmp_path / "out")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 import os
 import stat
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +94,62 @@ def progress_bar(**kwargs: Any) -> Any:
     """A tqdm bar that starts no monitor thread: tqdm's monitor outlives the bar, and the call that
     showed it would leave a thread running."""
     return _bar_type()(**kwargs)
+
+
+# What a gone terminal raises: ValueError on a closed file, OSError (BrokenPipeError, EIO) on a hung-up one.
+_DISPLAY_ERRORS = (ValueError, OSError)
+
+
+class Progress:
+    """Work done so far, for calls that run long: a tqdm bar when stderr is a terminal, an INFO line on
+    ``logger`` at most every 5 s otherwise, nothing when ``enabled`` is False. The display is best
+    effort: a closed stderr drops the bar, never the work it reports on.
+
+    ``describe(done)`` words a log line (default ``"done/total unit"``); the bar's keyword arguments
+    (``unit_scale``, ``leave``) go to tqdm.
+    """
+
+    LOG_INTERVAL_S = 5.0
+
+    def __init__(self, *, enabled: bool, total: int | None, desc: str, unit: str, logger: logging.Logger,
+                 describe: Callable[[int], str] | None = None, **bar_kwargs: Any) -> None:
+        self.enabled, self.total, self.desc, self.done = enabled, total, desc, 0
+        self._logger = logger
+        self._describe = describe or (lambda done: f"{done:,}{f'/{total:,}' if total else ''} {unit.strip()}")
+        self._last_log = time.monotonic()
+        self.bar = None
+        try:
+            if enabled and sys.stderr is not None and sys.stderr.isatty():
+                self.bar = progress_bar(total=total, unit=unit, desc=desc, **bar_kwargs)
+        except _DISPLAY_ERRORS:
+            self.bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update_to(self, done: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            try:
+                self.bar.update(max(0, done - self.done))
+            except _DISPLAY_ERRORS:
+                self.bar = None
+        elif time.monotonic() - self._last_log >= self.LOG_INTERVAL_S:
+            self._last_log = time.monotonic()
+            self._logger.info("%s: %s", self.desc, self._describe(done))
+        self.done = max(self.done, done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            try:
+                self.bar.close()
+            except _DISPLAY_ERRORS:
+                pass
+            self.bar = None
 
 
 def check_has_data(tensor: Any, name: str) -> None:

@@ -19,13 +19,11 @@ import logging
 import os
 import re
 import stat
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
-from trainfast._util import check_choice, progress_bar, resolve_num_threads
+from trainfast._util import Progress, check_choice, resolve_num_threads
 
 __all__ = ["PATTERNS", "count_pretokens", "pretokenize"]
 
@@ -213,45 +211,28 @@ def pretokenize(text: str, *, pattern: Any = "gpt2", special_tokens: Sequence[st
     return _core.bpe_pretokenize(text, native_id, tokens)
 
 
-class _Progress:
-    """Bytes counted so far: a tqdm bar on a terminal, periodic log lines otherwise, or nothing."""
+class _Progress(Progress):
+    """Bytes counted so far over one input after another (files, or batches of documents)."""
 
     def __init__(self, enabled: bool, total: int | None):
-        self.enabled = enabled
-        self.done = 0
-        self.base = 0
-        self.bar = None
-        self.last_log = time.monotonic()
-        self.total = total
-        if enabled and sys.stderr is not None and sys.stderr.isatty():
-            self.bar = progress_bar(total=total, unit="B", unit_scale=True, desc="pre-tokenizing")
+        def describe(done: int) -> str:
+            return f"{done / 1e6:.1f} MB" + (f" of {total / 1e6:,.1f} MB" if total else "")
 
-    def update_to(self, done_in_current: int) -> None:
-        self._set(self.base + done_in_current)
+        super().__init__(enabled=enabled, total=total, desc="pre-tokenizing", unit="B", logger=_log,
+                         describe=describe, unit_scale=True)
+        self.base = 0
+
+    def update_in_input(self, done_in_input: int) -> None:
+        self.update_to(self.base + done_in_input)
 
     def finish_input(self, size: int) -> None:
         self.base += size
-        self._set(self.base)
-
-    def _set(self, done: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            try:
-                self.bar.update(max(0, done - self.done))
-            except (ValueError, BrokenPipeError):  # stderr closed: the display is best effort, the count goes on
-                self.bar = None
-        elif time.monotonic() - self.last_log >= 5.0:
-            self.last_log = time.monotonic()
-            total = f" of {self.total / 1e6:,.1f} MB" if self.total else ""
-            _log.info("pre-tokenizing: %.1f MB%s", done / 1e6, total)
-        self.done = max(self.done, done)
+        self.update_to(self.base)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
+        if self.enabled and self.bar is None:
             _log.info("pre-tokenized %.1f MB", self.done / 1e6)
+        super().close()
 
 
 def _is_path(value: Any) -> bool:
@@ -343,7 +324,7 @@ def count_pretokens(
             counter = _core.BpePretokenCounter(native_id, tokens, _ERRORS.index(errors), threads)
             for path in paths:
                 # Bytes, so a file name that is not valid UTF-8 (surrogate-escaped in str) opens too.
-                counter.add_file(os.fsencode(path), progress.update_to if show_progress else None)
+                counter.add_file(os.fsencode(path), progress.update_in_input if show_progress else None)
                 progress.finish_input(os.path.getsize(path) if os.path.isfile(path) else 0)
             return counter.finish_table() if _native_table else counter.finish()
         finally:
@@ -359,7 +340,7 @@ def count_pretokens(
         batch: list[str | bytes] = []
         batch_bytes = 0
         first_index = 0
-        callback = progress.update_to if show_progress else None
+        callback = progress.update_in_input if show_progress else None
         for idx, doc in enumerate(inputs):
             if not isinstance(doc, (str, bytes)):
                 hint = " (paths and documents cannot be mixed)" if isinstance(doc, os.PathLike) else ""

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
-from trainfast._util import check_choice, check_int, progress_bar, resolve_num_threads
+from trainfast._util import Progress, check_choice, check_int, resolve_num_threads
 from trainfast.bpe.pretokenize import _check_special_tokens, count_pretokens
 
 __all__ = ["train_bpe", "train_from_counts"]
@@ -120,11 +119,13 @@ def _train(word_counts: Any, vocab_size: int, special_tokens: list[str], show_pr
 
     num_merges = min(vocab_size - 256 - len(special_tokens), 2**62)  # stops far earlier: no pair left
     start = time.perf_counter()
-    with _Progress(num_merges, "merges", show_progress) as progress:
+    with Progress(enabled=show_progress, total=num_merges, desc="bpe", unit=" merges", logger=_log,
+                  leave=False) as progress:
+        update = progress.update_to if show_progress else None
         if isinstance(word_counts, dict):
-            merges = _core.bpe_train_merges(word_counts, num_merges, progress.update)
+            merges = _core.bpe_train_merges(word_counts, num_merges, update)
         else:
-            merges = _core.bpe_train_merges_table(word_counts, num_merges, progress.update)
+            merges = _core.bpe_train_merges_table(word_counts, num_merges, update)
     if show_progress:
         _log.info("bpe: %d merges in %.2f s", len(merges), time.perf_counter() - start)
 
@@ -145,31 +146,3 @@ def _check_vocab_size(vocab_size: Any, special_tokens: list[str]) -> int:
         )
     return vocab_size
 
-
-class _Progress:
-    """tqdm bar on a terminal, a throttled INFO log line otherwise, nothing when disabled."""
-
-    def __init__(self, total: int, unit: str, enabled: bool):
-        self.total, self.unit, self.enabled = total, unit, enabled
-        self.bar = None
-        self.last_log = time.monotonic()
-        if enabled and sys.stderr is not None and sys.stderr.isatty():
-            self.bar = progress_bar(total=total, unit=f" {unit}", desc="bpe", leave=False)
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    @property
-    def update(self) -> Callable[[int], None] | None:
-        return self._update if self.enabled else None
-
-    def _update(self, done: int) -> None:
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-        elif time.monotonic() - self.last_log >= 5.0:
-            self.last_log = time.monotonic()
-            _log.info("bpe: %d/%d %s", done, self.total, self.unit)

@@ -11,7 +11,6 @@ import argparse
 import codecs
 import io
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--special-token", action="append", default=[], dest="special_tokens",
                         help="special token (repeatable), in the order given to `bpe encode`")
     decode.add_argument("--out", required=True, help="file for the decoded bytes")
+    decode.add_argument("--no-progress", action="store_true", help="no progress bar")
     decode.set_defaults(handler=_decode_command)
 
     export = commands.add_parser("export", help="write a HF tokenizers tokenizer.json")
@@ -162,34 +162,18 @@ def _decoded_chunks(path: str, errors: str, on_progress: Any) -> Iterator[str]:
 def _encode_command(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from trainfast._util import check_output_file, write_atomic
+    from trainfast._util import Progress, check_output_file, write_atomic
 
     out = args.out if str(args.out).endswith(".npy") else f"{args.out}.npy"  # the name np.save writes
     check_output_file("--out", args.out, out)  # fail before the work, not after it
     tokenizer = _load_tokenizer(args)
     size = Path(args.input).stat().st_size
     start = time.perf_counter()
-    bar = None
-    if not args.no_progress and sys.stderr is not None and sys.stderr.isatty():
-        from trainfast._util import progress_bar
-
-        bar = progress_bar(total=size, unit="B", unit_scale=True, desc="bpe encode", leave=False)
-    last_log = time.monotonic()
-
-    def on_progress(bytes_read: int) -> None:
-        nonlocal last_log
-        if bar is not None:
-            bar.update(bytes_read - bar.n)
-        elif not args.no_progress and time.monotonic() - last_log >= 5.0:
-            last_log = time.monotonic()
-            _log.info("bpe encode: %.0f%% of %s", 100 * bytes_read / max(size, 1), args.input)
-
-    try:
-        ids = np.fromiter(tokenizer.encode_iterable(_decoded_chunks(args.input, args.errors, on_progress)),
+    with Progress(enabled=not args.no_progress, total=size, desc="bpe encode", unit="B", logger=_log,
+                  describe=lambda done: f"{100 * done / max(size, 1):.0f}% of {args.input}", unit_scale=True,
+                  leave=False) as progress:
+        ids = np.fromiter(tokenizer.encode_iterable(_decoded_chunks(args.input, args.errors, progress.update_to)),
                           dtype=np.uint32)
-    finally:
-        if bar is not None:
-            bar.close()
     seconds = time.perf_counter() - start
     write_atomic(out, lambda f: np.save(f, ids))  # a failed write keeps the old file, not a truncated one
     print(f"bpe encode: {len(ids):,} tokens from {size / 1e6:.1f} MB in {seconds:.2f} s "
@@ -200,7 +184,7 @@ def _encode_command(args: argparse.Namespace) -> int:
 def _decode_command(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from trainfast._util import check_output_file, write_atomic
+    from trainfast._util import Progress, check_output_file, write_atomic
 
     check_output_file("--out", args.out)  # fail before the work, not after it
     with open(args.input, "rb") as f:
@@ -217,11 +201,8 @@ def _decode_command(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args)
     start = time.perf_counter()
     num_bytes = 0
-    bar = None
-    if sys.stderr is not None and sys.stderr.isatty():
-        from trainfast._util import progress_bar
-
-        bar = progress_bar(total=len(ids), unit="tok", unit_scale=True, desc="bpe decode", leave=False)
+    progress = Progress(enabled=not args.no_progress, total=len(ids), desc="bpe decode", unit="tok", logger=_log, unit_scale=True,
+                        leave=False)
 
     def write_slices(f: Any) -> None:
         # In slices of 1M ids: memory stays bounded (ids become Python ints) and Ctrl-C is seen between them.
@@ -239,16 +220,12 @@ def _decode_command(args: argparse.Namespace) -> int:
                                  "vocabulary") from None
             f.write(data)
             num_bytes += len(data)
-            if bar is not None:
-                bar.update(len(part))
+            progress.update_to(begin + len(part))
 
     # The bytes as the tokens hold them: encode read the text with universal newlines, so a file
     # with "\r\n" comes back with "\n", and nothing is replaced (a slice of ids may end mid-character).
-    try:
+    with progress:
         write_atomic(args.out, write_slices)  # a refused id or Ctrl-C leaves no partial file
-    finally:
-        if bar is not None:
-            bar.close()
     print(f"bpe decode: {len(ids):,} tokens -> {num_bytes:,} bytes in {time.perf_counter() - start:.2f} s "
           f"-> {args.out}")
     return 0
