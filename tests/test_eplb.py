@@ -517,6 +517,16 @@ def test_patch_module_with_deepseek_api():
     assert module.rebalance_experts is ref.rebalance_experts and not integration.is_patched(module)
 
 
+def test_patch_refuses_a_module_without_the_api():
+    from trainfast.integrations import eplb as integration
+
+    module = types.ModuleType("not_eplb")
+    module.balanced_packing = ref.balanced_packing  # a helper alone is not DeepSeek's API
+    with pytest.raises(ValueError, match="module 'not_eplb' has no rebalance_experts"):
+        integration.patch(module)
+    assert module.balanced_packing is ref.balanced_packing and not integration.is_patched(module)
+
+
 def _recording_module(calls):
     """A module with DeepSeek's API whose functions (the oracle's) note each call."""
     from trainfast.integrations import eplb as integration

@@ -53,7 +53,9 @@ _TYPE_CHARS = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
 _CHAR_NAMES = {char: name for name, char in _TYPE_CHARS.items()}
 
 
-# The native planner's bound on every count, size and index (no real model comes near it).
+# Every int crossing into the native planner is first bounded here, so its int64 sums and products
+# cannot overflow; the planner then applies its own tighter bounds (2^40 layers, 2^22 chunks) and
+# names the argument. No real model comes near either.
 _LIMIT = 2**60
 _MAX_CHUNKS = 2**22  # pp * vpp
 

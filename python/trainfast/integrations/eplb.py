@@ -108,12 +108,13 @@ def _replacement(name: str, original: Any) -> Any:
 def patch(module: ModuleType | str | None = None) -> list[str]:
     """Replaces DeepSeek's EPLB functions found in ``module``; returns the ``module.name`` replaced.
 
-    Raises ImportError when the module has no ``rebalance_experts``. Idempotent; after
+    Raises ValueError when ``module`` has no ``rebalance_experts``, ImportError when ``module`` is
+    None and no known module with it imports. Idempotent; after
     ``importlib.reload(module)`` it patches the reloaded functions.
     """
     target = _resolve(module)
     if not hasattr(target, "rebalance_experts"):
-        raise ImportError(f"{target.__name__} has no rebalance_experts (not DeepSeek's EPLB API)")
+        raise ValueError(f"module {target.__name__!r} has no rebalance_experts (not DeepSeek's EPLB API)")
     with _lock:
         saved = _patched.setdefault(target, {})
         patched = []
