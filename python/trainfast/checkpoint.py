@@ -125,7 +125,7 @@ def split_by_size_and_type(
 def write_item_sizes(
     items: list, *, sizing: Sizing = "chunk", count_bytes: bool = False, num_threads: int | None = None
 ) -> tuple[Any, Any]:
-    """Returns ``(is_bytes, sizes)`` of WriteItems: bool `[n]` and int64 `[n]` CPU tensors.
+    """Returns ``(is_bytes, sizes)`` of WriteItems: bool `[num_items]` and int64 `[num_items]` CPU tensors.
 
     Tensor sizes are ``prod(shape) * element_size`` as upstream's ``_item_size``; a BYTE_IO item's
     size is ``bytes_io_data.nbytes`` when ``count_bytes`` and known, else 0. ``num_threads`` as
@@ -145,13 +145,16 @@ def assign_bins(is_bytes: Any, sizes: Any, bins: int, *, balance: Balance = "ups
     """Array form of :func:`split_by_size_and_type` for plans of millions of items.
 
     Args:
-        is_bytes: bool/int `[n]` (tensor, array or sequence); true marks a BYTE_IO item.
-        sizes: int `[n]`, bytes per item, >= 0 (byte items' sizes count only when refined).
+        is_bytes: bool/int `[num_items]` (tensor, array or sequence); true marks a BYTE_IO item.
+        sizes: int `[num_items]`, bytes per item, >= 0 (byte items' sizes count only when refined).
         bins: number of bins, > 0.
         balance: ``"upstream"`` or ``"refined"``.
 
     Returns:
         A :class:`BinAssignment` of int64 CPU tensors sharing memory with the native result.
+
+    >>> assign_bins([False, False, True, False], [400, 300, 0, 200], 2)
+    BinAssignment(bin_idx=tensor([0, 1, 0, 1]), order=tensor([2, 0, 1, 3]), bin_offsets=tensor([0, 2, 4]), bin_bytes=tensor([400, 500]))
     """
     bins = check_int(bins, "bins", min_value=1, max_value=INT64_MAX)
     check_choice(balance, "balance", _BALANCES)
@@ -167,7 +170,15 @@ def assign_bins(is_bytes: Any, sizes: Any, bins: int, *, balance: Balance = "ups
 
 
 def balance_ratio(bin_bytes: Any) -> float:
-    """max-bin / mean-bin bytes (1.0 is perfect balance; 0 bytes counts as balanced)."""
+    """max-bin / mean-bin bytes (1.0 is perfect balance; 0 bytes counts as balanced).
+
+    Args:
+        bin_bytes: int `[bins]` (tensor, array or sequence), bytes per bin, >= 0; e.g.
+            ``assign_bins(...).bin_bytes``.
+
+    >>> balance_ratio([700, 200])
+    1.5555555555555556
+    """
     loads = as_array(bin_bytes, "bin_bytes", "int64", kind="int").tolist()
     if not loads:
         raise ValueError("bin_bytes must not be empty")

@@ -447,7 +447,12 @@ def gpu_loads(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> np.ndarr
 
 
 def balancedness(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> float:
-    """Mean over layers of max / mean GPU load (1.0 is perfect; layers without load count as 1)."""
+    """Mean over layers of max / mean GPU load (1.0 is perfect; layers without load count as 1).
+
+    Arguments as :func:`gpu_loads`: ``weight`` `[num_layers, num_logical]`, ``phy2log``
+    `[num_layers, num_physical]`, ``logcnt`` `[num_layers, num_logical]` (e.g. the first and third
+    outputs of :func:`rebalance_experts`).
+    """
     loads = gpu_loads(weight, phy2log, logcnt, num_gpus)
     mean = loads.mean(-1)
     ratio = np.where(mean > 0, loads.max(-1) / np.where(mean > 0, mean, 1.0), 1.0)

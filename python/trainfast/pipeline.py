@@ -692,7 +692,20 @@ def chunk_costs(plan: Any, layer_costs: Any, pp: int, vpp: int | None = None, *,
                 loss_cost: float = 0.0) -> tuple[list[float], list[float]]:
     """(per-chunk costs in global order, per-stage costs) of any plan: layer costs added in order in
     float64, ``embedding_cost`` first on chunk (0, 0), ``loss_cost`` last on the last chunk (as
-    :func:`balanced_layout`, whose chunks are never empty)."""
+    :func:`balanced_layout`, whose chunks are never empty).
+
+    Args:
+        plan: ``{(pp_rank, vp_stage): range of layers}``, as :func:`plan_layers` returns.
+        layer_costs: float `[num_layers]` (tensor, array or sequence), finite and >= 0.
+        pp, vpp: the plan's pipeline and virtual pipeline sizes.
+
+    Returns:
+        ``[pp * vpp]`` chunk costs (chunk ``vp_stage * pp + pp_rank``) and ``[pp]`` stage costs.
+
+    >>> plan = plan_layers(8, 2, 2)
+    >>> chunk_costs(plan, [1.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 3.0], 2, 2, embedding_cost=0.5, loss_cost=0.5)
+    ([2.5, 3.0, 2.0, 4.5], [4.5, 7.5])
+    """
     pp = _check_int(pp, "pp", min_value=1)
     vpp = _check_int(1 if vpp is None else vpp, "vpp", min_value=1)
     counts = _plan_counts(plan, pp, vpp)

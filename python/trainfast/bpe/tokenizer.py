@@ -227,11 +227,15 @@ class Tokenizer:
         yield from self.encode("".join(pending))
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids; byte sequences that are not valid UTF-8 become U+FFFD."""
+        """Text of the ids; byte sequences that are not valid UTF-8 become U+FFFD.
+
+        ``ids``: ints, or an integer `[num_ids]` NumPy array or tensor (as ``encode`` and
+        ``trainfast bpe encode`` produce).
+        """
         return self._native.decode(_id_list(ids))
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """Concatenated bytes of the ids."""
+        """Concatenated bytes of the ids (``ids`` as :meth:`decode` takes them)."""
         return self._native.decode_bytes(_id_list(ids))
 
     def _encode_regex(self, text: str) -> list[int]:
