@@ -225,7 +225,22 @@ def _dist_worker(rank: int, world_size: int, init_file: str, paths: list[str], o
     result: dict = {}
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        counts = distributed.count_words(paths, [EOT], max_message_bytes=5000)
+        # Every message, sent and received, within max_message_bytes (the 8-byte size header aside).
+        sizes = {"send": [], "recv": []}
+        send, recv = dist.send, dist.recv
+
+        def recording(kind, call):
+            def record(tensor, *args, **kwargs):
+                sizes[kind].append(tensor.numel() * tensor.element_size())
+                return call(tensor, *args, **kwargs)
+            return record
+
+        dist.send, dist.recv = recording("send", send), recording("recv", recv)
+        try:
+            counts = distributed.count_words(paths, [EOT], max_message_bytes=5000)
+        finally:
+            dist.send, dist.recv = send, recv
+        result["message_sizes"] = sizes
         result["counts"] = None if counts is None else counts.to_bytes()
         result["trained"] = distributed.train_bpe(paths, 800, [EOT], max_message_bytes=1 << 20)
         result["no_specials"] = distributed.train_bpe(paths, 300, None)  # None: no special tokens
@@ -294,6 +309,10 @@ def test_distributed_equals_single_process(parts, tmp_path):
         assert "crash" not in result, f"rank {r}: {result['crash']}"
     single = count_words([Path(p) for p in paths], [EOT], show_progress=False)
     assert WordCounts.from_bytes(results[0]["counts"]).counts == single.counts
+    for r, result in enumerate(results):
+        messages = result["message_sizes"]["recv" if r == 0 else "send"]
+        assert messages[0] == 8 and max(messages[1:]) == 5000 and sum(messages[1:]) > 5000, (r, messages)
+    assert len(results[0]["message_sizes"]["recv"]) == sum(len(r["message_sizes"]["send"]) for r in results[1:])
     assert results[1]["counts"] is None and results[2]["counts"] is None
     expected = train_bpe([Path(p) for p in paths], 800, [EOT], show_progress=False)
     assert all(result["trained"] == expected for result in results)

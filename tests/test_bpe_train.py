@@ -369,10 +369,34 @@ def test_show_progress_must_be_bool():
             call()
 
 
-def test_progress_goes_through_logging(shared_dir, caplog):
+def test_progress_goes_through_logging(shared_dir, caplog, monkeypatch):
+    from trainfast._util import Progress
+
+    monkeypatch.setattr(Progress, "LOG_INTERVAL_S", 0.0)  # every report becomes a line
     with caplog.at_level(logging.INFO, logger="trainfast.bpe"):
         train_bpe(_fixture(shared_dir, "corpus.en"), 500, [SPECIAL], show_progress=True)
-    assert any("merges" in record.getMessage() for record in caplog.records)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(re.fullmatch(r"pre-tokenizing: [\d.]+ MB of [\d.,]+ MB", m) for m in messages), messages
+    assert any(re.fullmatch(r"bpe: 243/243 merges", m) for m in messages), messages
+    assert any(re.fullmatch(r"bpe: 243 merges in [\d.]+ s", m) for m in messages), messages
+
+
+def test_merges_are_reported_while_they_run(caplog, monkeypatch):
+    import random
+
+    from trainfast._util import Progress
+
+    monkeypatch.setattr(Progress, "LOG_INTERVAL_S", 0.0)
+    rng = random.Random(0)
+    letters = bytes(97 + i % 26 for i in range(256))
+    blob = rng.randbytes(200_000 * 16).translate(letters)
+    word_counts = {blob[i:i + 4 + i % 17]: 1 + i % 997 for i in range(0, len(blob), 16)}  # ~0.7 s of merges
+    with caplog.at_level(logging.INFO, logger="trainfast.bpe"):
+        _, merges = train_from_counts(word_counts, 200_256, show_progress=True)
+    pattern = re.compile(r"bpe: ([\d,]+)/200,000 merges")
+    done = [int(m.group(1).replace(",", "")) for m in map(pattern.fullmatch, caplog.messages) if m]
+    # The native loop calls back every 0.1 s: counts that grow, before the last one.
+    assert len(done) > 1 and done == sorted(done) and done[0] < done[-1] == len(merges), caplog.messages
 
 
 def test_cli_train(shared_dir, tmp_path):
@@ -433,12 +457,18 @@ def test_ctrl_c_raises_keyboard_interrupt(sigint_repeatedly):
 
 
 @pytest.mark.parametrize("pattern", ["cl100k", "o200k", r"\S+|\s+"])
-def test_other_patterns(shared_dir, pattern):
-    path = _fixture(shared_dir, "german.txt")
+def test_other_patterns(shared_dir, pattern, tmp_path):
+    # German plus lines on which the three named patterns cut differently (case splits, contractions,
+    # digit runs), so that the merges tell them apart.
+    path = tmp_path / "mixed.txt"
+    path.write_text(_fixture(shared_dir, "german.txt").read_text(encoding="utf-8")
+                    + " camelCaseWord don't WE'LL 12345\n" * 40, encoding="utf-8")
+    others = {name: _train(path, 350, [SPECIAL], pattern=name)[1] for name in PATTERNS if name != pattern}
     vocab, merges = _train(path, 350, [SPECIAL], pattern=pattern)
     assert len(merges) > 0 and len(vocab) == 257 + len(merges)
-    if pattern.startswith("\\"):  # a custom regex: same as the oracle with that pattern
-        assert (vocab, merges) == ref.train_bpe(path, 350, [SPECIAL], pattern=pattern)
+    # The oracle with the pattern's text: the named scanners (not mixed up) and the regex fallback.
+    assert (vocab, merges) == ref.train_bpe(path, 350, [SPECIAL], pattern=PATTERNS.get(pattern, pattern))
+    assert all(merges != other for other in others.values())
     # Compiled, as pretokenize and count_pretokens take it (a named one runs the native scanner).
     compiled = regex.compile(PATTERNS.get(pattern, pattern))
     assert _train(path, 350, [SPECIAL], pattern=compiled) == (vocab, merges)
