@@ -555,6 +555,58 @@ def test_patch_refuses_a_module_without_the_api():
     assert module.balanced_packing is ref.balanced_packing and not integration.is_patched(module)
 
 
+def _vllm_style_rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus):
+    """DeepSeek's algorithm with log2phy as vLLM's copy sizes it: num_replicas - num_logical + 1."""
+    phy2log, log2phy, logcnt = ref.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    width = num_replicas - weight.shape[1] + 1
+    return phy2log, torch.nn.functional.pad(log2phy, (0, width - log2phy.shape[2]), value=-1), logcnt
+
+
+def _sglang_style_rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, enable_hierarchical):
+    """SGLang's signature: enable_hierarchical is required and picks the policy."""
+    if enable_hierarchical:
+        return ref.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    return ref.rebalance_experts(weight, num_replicas, 1, 1, num_gpus)
+
+
+@pytest.mark.parametrize("variant", ["vllm", "sglang"])
+def test_patch_keeps_each_copys_log2phy_width_and_signature(variant):
+    from trainfast.integrations import eplb as integration
+
+    original = _vllm_style_rebalance_experts if variant == "vllm" else _sglang_style_rebalance_experts
+    module = types.ModuleType(f"{variant}_eplb")
+    module.rebalance_experts = original
+    assert integration.patch(module) == [f"{variant}_eplb.rebalance_experts"]
+    try:
+        assert module.rebalance_experts is not original
+        rng = np.random.default_rng(31)
+        for _ in range(40):
+            args = random_problem(rng)
+            extra = () if variant == "vllm" else (args[2] % args[3] == 0,)
+            assert_same(module.rebalance_experts(*args, *extra), original(*args, *extra))
+    finally:
+        integration.unpatch(module)
+
+
+def test_patch_leaves_a_different_algorithm_alone(caplog):
+    from trainfast.integrations import eplb as integration
+
+    def reversed_slots(weight, num_replicas, num_groups, num_nodes, num_gpus):  # same API, another answer
+        phy2log, log2phy, logcnt = ref.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+        return phy2log.flip(-1), num_replicas - 1 - log2phy, logcnt
+
+    module = types.ModuleType("other_eplb")
+    module.rebalance_experts = reversed_slots
+    module.balanced_packing = ref.balanced_packing
+    with caplog.at_level("WARNING", logger="trainfast.integrations.eplb"):
+        patched = integration.patch(module)
+    try:
+        assert patched == ["other_eplb.balanced_packing"] and module.rebalance_experts is reversed_slots
+        assert "other_eplb.rebalance_experts left as it is: its answer to a probe differs" in caplog.text
+    finally:
+        integration.unpatch(module)
+
+
 def _recording_module(calls):
     """A module with DeepSeek's API whose functions (the oracle's) note each call."""
     from trainfast.integrations import eplb as integration
@@ -601,6 +653,8 @@ def test_patched_functions_answer_as_upstream_for_every_dtype(kind, upstream_run
     expected = {"balanced_packing": ref.balanced_packing(weight, 2), "replicate_experts": ref.replicate_experts(weight, 12),
                 "rebalance_experts_hierarchical": ref.rebalance_experts_hierarchical(weight, 16, 4, 2, 8)}
     integration.patch(module)
+    assert calls == ["rebalance_experts"] * 2  # patch's two probes of the module's own function
+    calls.clear()
     try:
         assert_same(module.balanced_packing(weight=weight, num_packs=2), expected["balanced_packing"])
         assert_same(module.replicate_experts(weight, 12), expected["replicate_experts"])

@@ -118,6 +118,32 @@ def test_nvidia_resiliency_ext_copy_is_patched_when_installed(megatron_fs):
         assert not any("nvidia_resiliency_ext" in name for name in patched)
     else:
         assert any("nvidia_resiliency_ext" in name for name in patched)
+    finally:
+        megatron_integration.unpatch()
+
+
+def test_nvidia_resiliency_ext_copy_is_patched_and_restored(megatron_fs, monkeypatch):
+    # The package is not a test dependency: a stand-in module with its function tests the patch path.
+    import sys
+    import types
+
+    name = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
+    parts = name.split(".")
+    for depth in range(1, len(parts)):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:depth]), types.ModuleType(".".join(parts[:depth])))
+    stand_in = types.ModuleType(name)
+    stand_in._split_by_size_and_type = megatron_fs._split_by_size_and_type
+    monkeypatch.setitem(sys.modules, name, stand_in)
+    original = stand_in._split_by_size_and_type
+    patched = megatron_integration.patch()
+    try:
+        assert f"{name}._split_by_size_and_type" in patched
+        assert stand_in._split_by_size_and_type is not original
+        items = _examples.gpt_write_items(num_layers=2, tp=2, dp=2)
+        assert ids(stand_in._split_by_size_and_type(4, items)) == ids(original(4, items))
+    finally:
+        megatron_integration.unpatch()
+    assert stand_in._split_by_size_and_type is original
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

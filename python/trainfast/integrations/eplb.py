@@ -7,7 +7,10 @@
 ['my_copy_of_eplb.balanced_packing', ...]
 
 Outputs are unchanged (bit-identical on the same torch); SGLang's extra ``enable_hierarchical``
-argument is accepted. Where upstream computes in the weight's own dtype and trainfast does not
+argument is accepted, and copies that size ``log2phy`` to num_replicas - num_logical + 1 (vLLM's)
+instead of the largest replica count (DeepSeek's) get that width. ``patch`` first asks the module's
+``rebalance_experts`` two probe questions and leaves it alone (with a warning) unless the answers
+equal trainfast's up to that width. Where upstream computes in the weight's own dtype and trainfast does not
 reproduce it (float16/bfloat16/bool helper weights, a non-float32 weight given to
 ``rebalance_experts_hierarchical`` directly, narrow integer pack sums that would wrap around), the
 module's own function runs (upstream's speed).
@@ -87,7 +90,49 @@ def _computes_in_own_dtype(name: str, weight: Any) -> bool:
     return False
 
 
-def _replacement(name: str, original: Any) -> Any:
+# The README example: (num_replicas, num_groups, num_nodes, num_gpus) once with the hierarchical
+# policy and once with the global one (5 groups on 2 nodes).
+_PROBE_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                 [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+_PROBES = (((16, 4, 2, 8), True), ((16, 5, 2, 8), False))
+
+
+def _log2phy_width(original: Any) -> tuple[str | None, str]:
+    """How the module's ``rebalance_experts`` sizes ``log2phy``: ``"max_count"`` (DeepSeek: the
+    largest replica count) or ``"num_redundant"`` (vLLM's copy: num_replicas - num_logical + 1),
+    read off its answers to two probes, which must otherwise equal trainfast's. ``(None, why)`` for
+    a module that answers differently or cannot be called like DeepSeek's."""
+    import inspect
+
+    import torch
+
+    from trainfast import eplb
+
+    try:
+        parameters = inspect.signature(original).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    width = None
+    for (num_replicas, num_groups, num_nodes, num_gpus), hierarchical in _PROBES:
+        args = (torch.tensor(_PROBE_WEIGHT, dtype=torch.float32), num_replicas, num_groups, num_nodes, num_gpus)
+        kwargs = {"enable_hierarchical": hierarchical} if "enable_hierarchical" in parameters else {}
+        try:
+            phy2log, log2phy, logcnt = original(*args, **kwargs)
+        except Exception as error:  # not callable as DeepSeek's: leave it alone
+            return None, f"it cannot be called as DeepSeek's ({type(error).__name__}: {error})"
+        expected = eplb.rebalance_experts(*args, **kwargs)
+        max_count = int(expected[2].max())
+        widths = {max_count: "max_count", num_replicas - len(_PROBE_WEIGHT[0]) + 1: "num_redundant"}
+        found = widths.get(log2phy.shape[-1]) if isinstance(log2phy, torch.Tensor) and log2phy.dim() == 3 else None
+        if found is None or not (torch.equal(phy2log, expected[0]) and torch.equal(logcnt, expected[2])
+                                 and torch.equal(log2phy[..., :max_count], expected[1])
+                                 and bool((log2phy[..., max_count:] == -1).all())):
+            return None, "its answer to a probe differs from DeepSeek's"
+        width = found
+    return width, ""
+
+
+def _replacement(name: str, original: Any, log2phy_width: str = "max_count") -> Any:
     import torch
 
     from trainfast import eplb
@@ -99,7 +144,12 @@ def _replacement(name: str, original: Any) -> Any:
         weight = args[0] if args else kwargs.get("weight")
         if isinstance(weight, torch.Tensor) and _computes_in_own_dtype(name, weight):
             return original(*args, **kwargs)
-        return ours(*args, **kwargs)
+        result = ours(*args, **kwargs)
+        if log2phy_width == "num_redundant":  # padded to the module's fixed width
+            phy2log, log2phy, logcnt = result
+            width = phy2log.shape[1] - logcnt.shape[1] + 1
+            result = (phy2log, torch.nn.functional.pad(log2phy, (0, width - log2phy.shape[2]), value=-1), logcnt)
+        return result
 
     replacement.__trainfast_original__ = original
     return replacement
@@ -123,7 +173,14 @@ def patch(module: ModuleType | str | None = None) -> list[str]:
                 continue
             if name not in saved or _reloaded(getattr(target, name), *saved[name]):
                 original = getattr(target, name)
-                saved[name] = (original, _replacement(name, original))
+                options = {}
+                if name == "rebalance_experts":
+                    width, why = _log2phy_width(original)
+                    if width is None:
+                        logger.warning("%s.rebalance_experts left as it is: %s", target.__name__, why)
+                        continue
+                    options["log2phy_width"] = width
+                saved[name] = (original, _replacement(name, original, **options))
                 setattr(target, name, saved[name][1])
             patched.append(f"{target.__name__}.{name}")
     logger.info("patched %s", ", ".join(patched))
