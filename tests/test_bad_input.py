@@ -45,6 +45,12 @@ class Case:
     match: str = "."
 
 
+def _nested_tensor():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "nested tensors are in prototype stage"
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
 class _Item:
     """A duck-typed WriteItem."""
 
@@ -225,6 +231,10 @@ CASES: list[Case] = [
     Case("pipeline.PipelineLayout.from_str", "malformed string", lambda: pipeline.PipelineLayout.from_str("tE|tt|tL", 3), ValueError, "embedding"),
     # --- eplb --------------------------------------------------------------------------------------------
     Case("eplb.rebalance_experts", "wrong type", lambda: eplb.rebalance_experts("weights", 16, 4, 2, 8), TypeError, "weight"),
+    Case("eplb.rebalance_experts", "wrong dtype", lambda: eplb.rebalance_experts(np.ones((2, 12), dtype=np.longdouble), 16, 4, 2, 8), TypeError, "weight must have a real numeric dtype of at most 64 bits"),
+    Case("eplb.rebalance_experts", "wrong type", lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, torch.tensor(8.0)), TypeError, "num_gpus must be an int"),
+    Case("pipeline.balanced_layout", "wrong layout", lambda: pipeline.balanced_layout(_nested_tensor(), 2), TypeError, "layer_costs must be a dense tensor of one shape"),
+    Case("buckets.plan_layout", "wrong type", lambda: buckets.plan_layout([5], bucket_size=torch.tensor(8.0)), TypeError, "bucket_size must be an int"),
     Case("eplb.rebalance_experts", "wrong ndim/shape", lambda: eplb.rebalance_experts(torch.ones(12), 16, 4, 2, 8), AssertionError, "weight"),
     Case("eplb.rebalance_experts", "empty", lambda: eplb.rebalance_experts(torch.ones(0, 12), 16, 4, 2, 8), AssertionError, "weight"),
     Case("eplb.rebalance_experts", "zero", lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 0, 8), AssertionError, "num_nodes"),

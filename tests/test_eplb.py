@@ -816,3 +816,36 @@ def test_native_replicate_names_num_replicas_past_2_31():
     empty = np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.int64)
     with pytest.raises(ValueError, match="num_replicas must be < 2.31"):
         _core.eplb_replicate(weight, 2**62, 4, 2, 8, *empty, 1)
+
+
+# --- inputs upstream takes: the same answer ------------------------------------------------------------------
+
+
+def _misaligned(tensor):
+    """``tensor``'s values in memory one byte off its dtype's alignment (torch.frombuffer allows it)."""
+    buffer = bytearray(tensor.numel() * tensor.element_size() + 1)
+    view = torch.frombuffer(buffer, dtype=tensor.dtype, offset=1, count=tensor.numel()).view(tensor.shape)
+    view.copy_(tensor)
+    assert view.data_ptr() % view.element_size() != 0
+    return view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.int32, torch.float64])
+def test_misaligned_and_transposed_tensors_as_upstream(dtype):
+    weight = torch.tensor(README_WEIGHT).to(dtype)
+    assert_same(eplb.rebalance_experts(_misaligned(weight), 16, 4, 2, 8), ref.rebalance_experts(weight, 16, 4, 2, 8))
+    assert_same(eplb.balanced_packing(_misaligned(weight), 4), ref.balanced_packing(weight, 4))
+    assert_same(eplb.replicate_experts(_misaligned(weight), 16), ref.replicate_experts(weight, 16))
+    transposed = weight.T.contiguous().T  # the same values, column-major
+    assert not transposed.is_contiguous()
+    assert_same(eplb.balanced_packing(transposed, 4), ref.balanced_packing(weight, 4))
+    assert_same(eplb.replicate_experts(transposed, 16), ref.replicate_experts(weight, 16))
+
+
+def test_big_endian_numpy_weights_as_native():
+    weight = np.array(README_WEIGHT, dtype=np.float32)
+    expected = eplb.rebalance_experts(weight, 16, 4, 2, 8)
+    assert_same(eplb.rebalance_experts(weight.astype(">f4"), 16, 4, 2, 8), expected)
+    assert_same(eplb.rebalance_experts(weight.astype(">i8"), 16, 4, 2, 8), expected)
+    placement = expected[0].numpy()
+    assert_same(eplb.rebalance_experts(weight, 16, 4, 2, 8, previous_phy2log=placement.astype(">i8")), expected)

@@ -716,3 +716,14 @@ def test_megatron_integration_keeps_pipeline_functions_of_older_releases(mcore, 
 def test_balanced_layout_takes_python_ints_past_int64_as_costs():
     # NumPy keeps such a list as objects; as floats they are ordinary costs.
     assert tp.balanced_layout([1, 2**70, 3], 2) == tp.balanced_layout([1.0, float(2**70), 3.0], 2)
+
+
+def test_tensor_subclass_costs_as_plain_tensors():
+    # A torch.Tensor subclass from user code is a tensor like any other.
+    import torch
+
+    class UserTensor(torch.Tensor):
+        pass
+
+    costs = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0, 1.0])
+    assert tp.balanced_layout(costs.as_subclass(UserTensor), 2) == tp.balanced_layout(costs, 2)

@@ -47,7 +47,10 @@ def check_int(value: Any, name: str, *, min_value: int | None = None, max_value:
     """Returns ``value`` as an int; TypeError unless it is an integer (bools excluded)."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
-    value = operator.index(value)
+    try:
+        value = operator.index(value)
+    except TypeError:  # e.g. a float tensor: every tensor has __index__, only integer ones take it
+        raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})") from None
     if min_value is not None and value < min_value:
         raise ValueError(f"{name} must be >= {min_value} (got {value})")
     if max_value is not None and value > max_value:
@@ -155,6 +158,8 @@ class Progress:
 def check_has_data(tensor: Any, name: str) -> None:
     """ValueError for a tensor on the meta device, which has a shape but no values to plan with;
     TypeError for a sparse (or other non-strided) tensor, which has no dense values to read."""
+    if getattr(tensor, "is_nested", False):
+        raise TypeError(f"{name} must be a dense tensor of one shape (got a nested tensor)")
     if tensor.device.type == "meta":
         raise ValueError(f"{name} is on the meta device, which holds no data (got shape {tuple(tensor.shape)})")
     layout = getattr(tensor, "layout", None)
@@ -179,7 +184,8 @@ def as_array(
     """
     import numpy as np  # here, not at import: trainfast.bpe does not need NumPy (~16 MB of RSS)
 
-    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+    torch = sys.modules.get("torch")  # not imported: then value cannot be a tensor
+    if torch is not None and isinstance(value, torch.Tensor):
         value = value.detach()
         check_has_data(value, name)
         if value.device.type != "cpu":

@@ -67,7 +67,10 @@ def _count(value: Any, name: str) -> int:
     """A positive int argument; upstream asserts on these, so the error is also an AssertionError."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
-    value = value.__index__()
+    try:
+        value = value.__index__()
+    except TypeError:  # a float tensor has __index__ but refuses it
+        raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})") from None
     if value <= 0:
         raise UpstreamAssertionError(f"{name} must be positive (got {value})")
     if value >= 2**62:  # the native core takes int64; no real count comes near
@@ -83,10 +86,15 @@ def _require(condition: bool, message: str) -> None:
 def _as_tensor(value: Any, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         check_has_data(value, name)
-        return value.detach()
+        value = value.detach()
+        if value.data_ptr() % value.element_size() != 0:  # a view at an odd byte offset: copied, aligned
+            value = value.clone()
+        return value
     if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biuf":
-            raise TypeError(f"{name} must have a real numeric dtype (got NumPy {value.dtype})")
+        if value.dtype.kind not in "biuf" or value.dtype.itemsize > 8:
+            raise TypeError(f"{name} must have a real numeric dtype of at most 64 bits (got NumPy {value.dtype})")
+        if not value.dtype.isnative:  # torch takes native byte order only
+            value = value.astype(value.dtype.newbyteorder("="))
         return torch.from_numpy(np.require(value, requirements="CA"))  # a view at an odd byte offset: copied
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence (got {type(value).__name__})")
@@ -173,7 +181,8 @@ def _check_hierarchical(num_logical: int, num_physical: int, num_groups: int, nu
 
 def _descending_order(values: torch.Tensor) -> np.ndarray:
     """Upstream's ``values.float().sort(-1, descending=True).indices`` (torch's tie order)."""
-    return values.float().sort(-1, descending=True).indices.cpu().numpy()
+    # contiguous: a transposed weight's sort indices are a transposed view
+    return np.ascontiguousarray(values.float().sort(-1, descending=True).indices.cpu().numpy())
 
 
 def _descending_order_f32(values: np.ndarray) -> np.ndarray:
