@@ -190,6 +190,7 @@ CASES: list[Case] = [
     Case("checkpoint.assign_bins", "NaN/inf", lambda: checkpoint.assign_bins([0], torch.tensor([float("inf")]), 2), TypeError, "sizes"),
     Case("checkpoint.assign_bins", "malformed string", lambda: checkpoint.assign_bins([0], [1], 2, balance="best"), ValueError, "balance"),
     Case("checkpoint.write_item_sizes", "malformed string", lambda: checkpoint.write_item_sizes([], sizing="x"), ValueError, "sizing"),
+    Case("checkpoint.write_item_sizes", "wrong type", lambda: checkpoint.write_item_sizes([], count_bytes="no"), TypeError, "count_bytes must be a bool"),
     Case("checkpoint.write_item_sizes", "wrong type", lambda: checkpoint.write_item_sizes(3), TypeError, "items"),
     # --- buckets --------------------------------------------------------------------------------------
     Case("buckets.plan_layout", "wrong type", lambda: buckets.plan_layout("100"), TypeError, "numels"),
@@ -212,6 +213,8 @@ CASES: list[Case] = [
     Case("buckets.partition_bucket_indices", "wrong value", lambda: buckets.partition_bucket_indices([True, True], [1, 2]), ValueError, "is_uint8"),
     Case("buckets.partition_bucket_indices", "negative", lambda: buckets.partition_bucket_indices([False], [-1]), ValueError, "num_buckets"),
     Case("buckets.materialize", "wrong type", lambda: buckets.materialize(LAYOUT, grad_dtype="float32"), TypeError, "grad_dtype"),
+    Case("buckets.materialize", "wrong dtype", lambda: buckets.materialize(LAYOUT, grad_dtype=torch.quint8), ValueError, "cannot make a grad_dtype=torch.quint8 buffer"),
+    Case("buckets.materialize", "wrong value", lambda: buckets.materialize(LAYOUT, device="xpu"), ValueError, "buffer on device 'xpu'"),
     # --- pipeline ---------------------------------------------------------------------------------------
     Case("pipeline.plan_layers", "zero", lambda: pipeline.plan_layers(8, 0, 2), ValueError, "pp"),
     Case("pipeline.plan_layers", "negative", lambda: pipeline.plan_layers(8, 2, -1), ValueError, "vpp"),
@@ -232,6 +235,8 @@ CASES: list[Case] = [
     # --- eplb --------------------------------------------------------------------------------------------
     Case("eplb.rebalance_experts", "wrong type", lambda: eplb.rebalance_experts("weights", 16, 4, 2, 8), TypeError, "weight"),
     Case("eplb.rebalance_experts", "wrong dtype", lambda: eplb.rebalance_experts(np.ones((2, 12), dtype=np.longdouble), 16, 4, 2, 8), TypeError, "weight must have a real numeric dtype of at most 64 bits"),
+    Case("eplb.rebalance_experts", "wrong type", lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, refine="no"), TypeError, "refine must be a bool"),
+    Case("eplb.rebalance_experts", "wrong type", lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, avoid_gpu_duplicates=1), TypeError, "avoid_gpu_duplicates must be a bool"),
     Case("eplb.rebalance_experts", "wrong type", lambda: eplb.rebalance_experts(torch.ones(2, 12), 16, 4, 2, torch.tensor(8.0)), TypeError, "num_gpus must be an int"),
     Case("pipeline.balanced_layout", "wrong layout", lambda: pipeline.balanced_layout(_nested_tensor(), 2), TypeError, "layer_costs must be a dense tensor of one shape"),
     Case("buckets.plan_layout", "wrong type", lambda: buckets.plan_layout([5], bucket_size=torch.tensor(8.0)), TypeError, "bucket_size must be an int"),

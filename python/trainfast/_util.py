@@ -58,6 +58,14 @@ def check_int(value: Any, name: str, *, min_value: int | None = None, max_value:
     return value
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """Returns ``value`` as a bool; TypeError unless it is one (NumPy's bool too): a flag given "no"
+    or 0 would otherwise be read as its truth value."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (got {type(value).__name__} {value!r})")
+
+
 def check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))} (got {value!r})")

@@ -987,6 +987,16 @@ def materialize(
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (device.index is not None and device.index >= count):
             raise ValueError(f"device {str(device)!r} is not available here (torch sees {count} CUDA devices)")
+    for name, dtype in (("param_dtype", param_dtype), ("grad_dtype", grad_dtype)):
+        if dtype is None:
+            continue
+        try:  # an empty buffer first: a backend torch lacks, or a dtype it cannot zero, named here
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's deprecation of quantized dtypes
+                torch.zeros(0, dtype=dtype, device=device)
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}".split(". ")[0][:200]
+            raise ValueError(f"cannot make a {name}={dtype} buffer on device {str(device)!r} ({reason})") from None
     n = len(param_start)
     numels = (param_end - param_start).tolist()
     params = None

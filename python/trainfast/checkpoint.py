@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any, Literal, NamedTuple
 
 from trainfast import _core
-from trainfast._util import INT64_MAX, as_array, check_choice, check_int, resolve_num_threads, to_tensor
+from trainfast._util import INT64_MAX, as_array, check_bool, check_choice, check_int, resolve_num_threads, to_tensor
 
 __all__ = [
     "BinAssignment",
@@ -134,6 +134,7 @@ def write_item_sizes(
     import torch
 
     check_choice(sizing, "sizing", _SIZINGS)
+    count_bytes = check_bool(count_bytes, "count_bytes")
     threads = resolve_num_threads(num_threads)
     is_bytes, sizes = _core.checkpoint_write_item_sizes(
         _check_items(items), _byte_io_type(), _element_sizes(), sizing == "global", bool(count_bytes), threads

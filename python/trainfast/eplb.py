@@ -39,6 +39,7 @@ import torch
 from trainfast import _core
 from trainfast._util import (
     UpstreamAssertionError,
+    check_bool,
     check_choice,
     check_has_data,
     check_ints_fit_int64,
@@ -259,6 +260,8 @@ def rebalance_experts(
     num_replicas = _count(num_replicas, "num_replicas")
     num_gpus = _count(num_gpus, "num_gpus")
     check_choice(tie_break, "tie_break", _TIE_BREAKS)
+    refine = check_bool(refine, "refine")
+    avoid_gpu_duplicates = check_bool(avoid_gpu_duplicates, "avoid_gpu_duplicates")
     num_logical = tensor.shape[1]
     if enable_hierarchical is None or bool(enable_hierarchical):
         num_groups = _count(num_groups, "num_groups")

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
-from trainfast._util import Progress, check_choice, resolve_num_threads
+from trainfast._util import Progress, check_bool, check_choice, resolve_num_threads
 
 __all__ = ["PATTERNS", "count_pretokens", "pretokenize"]
 
@@ -285,8 +285,7 @@ def count_pretokens(
     tokens = _check_special_tokens(special_tokens, unique=False)
     threads = resolve_num_threads(num_threads)
     check_choice(errors, "errors", _ERRORS)
-    if not isinstance(show_progress, bool):
-        raise TypeError(f"show_progress must be a bool (got {type(show_progress).__name__})")
+    show_progress = check_bool(show_progress, "show_progress")
 
     paths: list[str] | None = None
     if _is_path(inputs):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
-from trainfast._util import Progress, check_choice, check_int, resolve_num_threads
+from trainfast._util import Progress, check_bool, check_choice, check_int, resolve_num_threads
 from trainfast.bpe.pretokenize import _check_special_tokens, count_pretokens
 
 __all__ = ["train_bpe", "train_from_counts"]
@@ -106,8 +106,7 @@ def train_from_counts(
     """
     if not isinstance(word_counts, dict):
         raise TypeError(f"word_counts must be a dict[bytes, int] (got {type(word_counts).__name__})")
-    if not isinstance(show_progress, bool):  # as count_pretokens checks it for train_bpe
-        raise TypeError(f"show_progress must be a bool (got {type(show_progress).__name__})")
+    show_progress = check_bool(show_progress, "show_progress")  # as count_pretokens checks it for train_bpe
     special_tokens = _check_special_tokens(special_tokens, unique=True)
     vocab_size = _check_vocab_size(vocab_size, special_tokens)
     return _train(word_counts, vocab_size, special_tokens, show_progress)
