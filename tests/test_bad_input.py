@@ -377,6 +377,7 @@ CASES += [
     Case("eplb.rebalance_experts_hierarchical", "wrong dtype", lambda: eplb.rebalance_experts_hierarchical(_W.double(), 16, 4, 2, 8), TypeError, "weight"),
     Case("eplb.rebalance_experts_hierarchical", "wrong type", lambda: eplb.rebalance_experts_hierarchical("w", 16, 4, 2, 8), TypeError, "weight"),
     Case("eplb.rebalance_experts_hierarchical", "wrong ndim/shape", lambda: eplb.rebalance_experts_hierarchical(torch.ones(12), 16, 4, 2, 8), AssertionError, "weight"),
+    Case("eplb.rebalance_experts_hierarchical", "too large", lambda: eplb.rebalance_experts_hierarchical(_W, 2**40, 4, 2, 8), ValueError, "num_physical_experts must be < 2\\^31"),
     Case("eplb.rebalance_experts_hierarchical", "empty", lambda: eplb.rebalance_experts_hierarchical(torch.ones(0, 12), 16, 4, 2, 8), AssertionError, "weight"),
     Case("eplb.rebalance_experts_hierarchical", "zero", lambda: eplb.rebalance_experts_hierarchical(_W, 16, 0, 2, 8), AssertionError, "num_groups"),
     Case("eplb.rebalance_experts_hierarchical", "negative", lambda: eplb.rebalance_experts_hierarchical(_W, -16, 4, 2, 8), AssertionError, "num_physical_experts"),

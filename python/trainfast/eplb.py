@@ -178,6 +178,8 @@ def _check_hierarchical(num_logical: int, num_physical: int, num_groups: int, nu
     if num_physical < num_logical:
         raise UpstreamAssertionError(f"{physical_name} must be >= the number of logical experts (got "
                                      f"{physical_name}={num_physical}, {num_logical} experts)")
+    if num_physical >= 2**31:  # the native planner's slot indices are 32-bit
+        raise ValueError(f"{physical_name} must be < 2^31 (got {num_physical})")
 
 
 def _descending_order(values: torch.Tensor) -> np.ndarray:
