@@ -486,7 +486,24 @@ def test_balanced_layout_is_optimal_brute_force(pp, vpp, data):
         return
     assert result.max_chunk_cost == ref.brute_force_min_max(costs, num_chunks, embedding, loss)
     best_stage = ref.brute_force_best_stage(costs, pp, vpp, embedding, loss, result.max_chunk_cost)
-    assert best_stage <= result.max_stage_cost
+    assert best_stage <= result.max_stage_cost  # the stage step is a local search, not an exact optimum:
+    assert_no_single_move_lowers_a_stage(result, costs, pp, vpp, embedding, loss)  # ... it ends at a local one
+
+
+def assert_no_single_move_lowers_a_stage(result, costs, pp, vpp, embedding, loss):
+    """The local search's stopping point: moving one chunk boundary anywhere between its neighbours
+    either puts a chunk over the optimal chunk cost or leaves the costlier of the two stages it
+    changes no cheaper."""
+    bounds = result.boundaries.tolist()
+    for k in range(1, pp * vpp):
+        changed = {(k - 1) % pp, k % pp}
+        before = max(result.stage_costs[s].item() for s in changed)
+        for position in range(bounds[k - 1] + 1, bounds[k + 1]):
+            moved = bounds[:k] + [position] + bounds[k + 1:]
+            plan = {(c % pp, c // pp): range(moved[c], moved[c + 1]) for c in range(pp * vpp)}
+            chunks, stages = tp.chunk_costs(plan, costs, pp, vpp, embedding_cost=embedding, loss_cost=loss)
+            if max(chunks) <= result.max_chunk_cost:
+                assert max(stages[s] for s in changed) >= before, (k, position, moved, bounds)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -499,6 +516,7 @@ def test_balanced_layout_is_optimal_dp(seed):
     result = check_balanced(costs, pp, vpp, embedding, loss)
     if result is not None:
         assert result.max_chunk_cost == ref.dp_min_max(costs, pp * vpp, embedding, loss)
+        assert_no_single_move_lowers_a_stage(result, costs, pp, vpp, embedding, loss)
 
 
 def test_balanced_layout_large_and_tie_break():
