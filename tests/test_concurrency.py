@@ -205,3 +205,64 @@ def test_train_bpe_logs_nothing_without_progress(caplog):
         bpe.train_bpe(iter(["hello world " * 100]), 300, show_progress=False)
         bpe.train_from_counts({b"ab": 3, b"abc": 2}, 260, show_progress=False)
     assert caplog.records == []
+
+
+# --- heavy calls release the GIL ------------------------------------------------------------------------------
+
+
+def _long_bpe_merges():
+    import random
+
+    rng = random.Random(0)
+    blob = rng.randbytes(200_000 * 16).translate(bytes(97 + i % 26 for i in range(256)))
+    word_counts = {blob[i:i + 4 + i % 17]: 1 + i % 997 for i in range(0, len(blob), 16)}
+    return lambda: bpe.train_from_counts(word_counts, 200_256, show_progress=False)
+
+
+def _long_balanced_layout():
+    costs = np.random.default_rng(0).uniform(0.5, 1.5, 300_000)
+    return lambda: pipeline.balanced_layout(costs, 16, 4)
+
+
+def _long_assign_bins():
+    sizes = np.random.default_rng(0).integers(0, 1 << 20, 3_000_000)
+    return lambda: checkpoint.assign_bins(np.zeros(len(sizes), dtype=bool), sizes, 64)
+
+
+def _long_rebalance():
+    import torch
+
+    weight = torch.from_numpy(np.random.default_rng(0).lognormal(0, 1, (2000, 256)).astype(np.float32))
+    return lambda: eplb.rebalance_experts(weight, 320, 8, 4, 64, num_threads=1)
+
+
+# Calls of about a second each here; each builds its input first, outside the timed window.
+_LONG_CALLS = {"pipeline.balanced_layout": _long_balanced_layout, "checkpoint.assign_bins": _long_assign_bins,
+               "eplb.rebalance_experts": _long_rebalance, "bpe.train_from_counts": _long_bpe_merges}
+
+
+@pytest.mark.parametrize("name", _LONG_CALLS)
+def test_heavy_calls_let_other_threads_run(name):
+    # A Python thread ticks while the call runs: with the GIL held through the native work it
+    # could not tick at all until the call returned.
+    import time
+
+    call = _LONG_CALLS[name]()
+    ticks, stop = [], threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        start = time.perf_counter()
+        call()
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+    inside = [start, *(t for t in ticks if start <= t <= end), end]
+    longest_silence = max(b - a for a, b in zip(inside, inside[1:]))
+    assert longest_silence < 0.5 * (end - start), (name, end - start, longest_silence)
