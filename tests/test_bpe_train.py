@@ -472,3 +472,50 @@ def test_other_patterns(shared_dir, pattern, tmp_path):
     # Compiled, as pretokenize and count_pretokens take it (a named one runs the native scanner).
     compiled = regex.compile(PATTERNS.get(pattern, pattern))
     assert _train(path, 350, [SPECIAL], pattern=compiled) == (vocab, merges)
+
+
+def _failing_fsync(monkeypatch, fail_on_call: int):
+    """os.fsync raising OSError (a full disk) on its fail_on_call-th call, the earlier ones working."""
+    real_fsync, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == fail_on_call:
+            raise OSError(28, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("fail_on_call", [1, 2])  # while writing vocab.json, then merges.txt
+def test_save_that_fails_midway_leaves_no_partial_file(shared_dir, tmp_path, monkeypatch, fail_on_call):
+    from trainfast.bpe import WordCounts, count_words
+    from trainfast.bpe.export import to_hf_tokenizer_json
+
+    old_vocab, old_merges = _train(_fixture(shared_dir, "corpus.en"), 300, [SPECIAL])
+    new_vocab, new_merges = _train(_fixture(shared_dir, "corpus.en"), 320, [SPECIAL])
+    save(new_vocab, new_merges, tmp_path / "new")
+    new_vocab_json = (tmp_path / "new" / "vocab.json").read_bytes()
+    tmp_path = tmp_path / "out"
+    save(old_vocab, old_merges, tmp_path)
+    counts = count_words(iter(["hello world"]), show_progress=False)
+    counts.save(tmp_path / "counts.bin")
+    to_hf_tokenizer_json(old_vocab, old_merges, [SPECIAL], tmp_path / "tokenizer.json")
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+
+    _failing_fsync(monkeypatch, fail_on_call)
+    with pytest.raises(OSError, match="No space left"):
+        save(new_vocab, new_merges, tmp_path)
+    _failing_fsync(monkeypatch, 1)
+    with pytest.raises(OSError, match="No space left"):
+        count_words(iter(["other words"]), show_progress=False).save(tmp_path / "counts.bin")
+    _failing_fsync(monkeypatch, 1)
+    with pytest.raises(OSError, match="No space left"):
+        to_hf_tokenizer_json(new_vocab, new_merges, [SPECIAL], tmp_path / "tokenizer.json")
+
+    after = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    if fail_on_call == 2:  # vocab.json was replaced, whole, before writing merges.txt failed
+        assert after.pop("vocab.json") == new_vocab_json
+        before.pop("vocab.json")
+    assert after == before  # every other file as it was, and no temp file left beside them
+    assert WordCounts.load(tmp_path / "counts.bin").counts == counts.counts
