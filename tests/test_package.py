@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import trainfast
 from trainfast import _core
 
@@ -27,8 +29,6 @@ def test_py_typed_marker_installed():
 
 
 def test_unknown_attribute():
-    import pytest
-
     with pytest.raises(AttributeError):
         trainfast.no_such_module
 
@@ -75,3 +75,17 @@ def test_docstring_examples_run():
     for name in ("trainfast.bpe.pretokenize", "trainfast.bpe.train", "trainfast.bpe.tokenizer", "trainfast.buckets",
                  "trainfast.checkpoint", "trainfast.eplb", "trainfast.pipeline"):
         assert attempted_by_module[name] > 0, f"{name} has no docstring example"
+
+
+@pytest.mark.slow
+def test_demo_runs_and_every_comparison_is_identical():
+    # `make demo` is the first thing a newcomer runs: each section must run and agree with upstream.
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "trainfast.cli", "demo"], capture_output=True, text=True, cwd=root,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    for section in ("bpe:", "pretokenize:", "bpe encode:", "buckets:", "checkpoint:", "eplb:", "pipeline:",
+                    "balanced_layout:"):
+        assert any(line.startswith(section) for line in out.stdout.splitlines()), (section, out.stdout)
+    assert out.stdout.count("identical=True") >= 6 and "identical=False" not in out.stdout, out.stdout
+    assert "same counts=True" in out.stdout and "round trip decode(encode(text)) == text: True" in out.stdout
