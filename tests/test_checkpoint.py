@@ -167,6 +167,42 @@ def test_write_items_match_oracle(seed, sizing):
     assert names(got) == names(ref.split_by_size_and_type(bins, items, sizing))
 
 
+@pytest.mark.parametrize("sizing", ["chunk", "global"])
+def test_large_plans_match_oracle_on_any_thread_count(sizing):
+    # 40k items: past the size at which the items are read on several threads; many tied sizes.
+    items = random_write_items(random.Random(99), 40_000)
+    expected = names(ref.split_by_size_and_type(8, items, sizing))
+    for num_threads in (1, 2, 7):
+        assert names(checkpoint.split_by_size_and_type(8, items, sizing=sizing, num_threads=num_threads)) == expected
+
+
+_DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float64, torch.bool, torch.complex64]
+
+
+@st.composite
+def write_item_lists(draw):
+    items = []
+    for i in range(draw(st.integers(0, 30))):
+        kind = draw(st.sampled_from(["bytes", "tensor", "shard"]))
+        if kind == "bytes":
+            items.append(byte_item(f"b{i}"))
+            continue
+        chunk = tuple(draw(st.lists(st.integers(0, 4), min_size=0, max_size=3)))  # small: many tied sizes
+        dtype = draw(st.sampled_from(_DTYPES))
+        if kind == "shard":
+            global_shape = tuple(c * draw(st.integers(1, 3)) for c in chunk)
+            items.append(tensor_item(f"s{i}", chunk, global_shape, dtype, WriteItemType.SHARD))
+        else:
+            items.append(tensor_item(f"t{i}", chunk, dtype=dtype))
+    return items
+
+
+@given(write_item_lists(), st.integers(1, 9), st.sampled_from(["chunk", "global"]))
+def test_hypothesis_write_items_match_oracle(items, bins, sizing):
+    assert names(checkpoint.split_by_size_and_type(bins, items, sizing=sizing)) == \
+        names(ref.split_by_size_and_type(bins, items, sizing))
+
+
 @pytest.mark.parametrize("bins", [1, 2, 8, 64])
 def test_matches_torch_dcp_on_a_gpt_plan(bins):
     from torch.distributed.checkpoint import filesystem

@@ -22,6 +22,20 @@ def _checkpoint_call():
     return tuple(t.tolist() for t in plan)
 
 
+_WRITE_ITEMS = None
+
+
+def _checkpoint_write_items_call(num_threads=None):
+    # 40k WriteItems: the items are read on several threads (past 32k), each call on its own threads.
+    global _WRITE_ITEMS
+    if _WRITE_ITEMS is None:
+        from trainfast._examples import gpt_write_items
+
+        _WRITE_ITEMS = gpt_write_items(num_layers=48) * 28
+    binned = checkpoint.split_by_size_and_type(8, _WRITE_ITEMS, num_threads=num_threads)
+    return [[id(item) for item in group] for group in binned]
+
+
 def _buckets_call(num_threads=None):
     rng = np.random.default_rng(3)
     layout = buckets.plan_layout(rng.integers(1, 10**6, 3000), bucket_size=4_000_000, data_parallel_world_size=64)
@@ -62,6 +76,7 @@ def _bpe_encode_call(num_threads=None):
 
 CALLS = {
     "checkpoint.assign_bins": _checkpoint_call,
+    "checkpoint.split_by_size_and_type": _checkpoint_write_items_call,
     "pipeline.balanced_layout": _pipeline_call,
     "bpe.count_pretokens": _bpe_count_call,
     "bpe.train_bpe": _bpe_train_call,
@@ -71,6 +86,7 @@ CALLS = {
 }
 # Kernels with a num_threads argument: same answer for any thread count.
 THREADED_CALLS = {
+    "checkpoint.split_by_size_and_type": _checkpoint_write_items_call,
     "bpe.count_pretokens": _bpe_count_call,
     "bpe.train_bpe": _bpe_train_call,
     "bpe.Tokenizer.encode_batch": _bpe_encode_call,
