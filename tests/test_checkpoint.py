@@ -249,6 +249,20 @@ def test_refined_never_heavier_and_complete(plan, bins):
     upstream = ref.assign_bins(is_bytes, sizes, bins)
     assert refined.bin_bytes.tolist() == [sum(sizes[i] for i in group) for group in groups]
     assert max(refined.bin_bytes.tolist()) <= max_load(upstream, sizes)
+    assert_no_move_or_swap_lowers_the_heaviest_bin(sizes, refined)
+
+
+def assert_no_move_or_swap_lowers_the_heaviest_bin(sizes, plan):
+    """Where small plans' refining stops: moving one item of the heaviest bin (lowest index among
+    equals) to another bin, or swapping it with one there, cannot make both bins lighter than it was."""
+    loads, bin_idx = plan.bin_bytes.tolist(), plan.bin_idx.tolist()
+    heavy = loads.index(max(loads))
+    in_heavy = [sizes[i] for i, b in enumerate(bin_idx) if b == heavy]
+    for other, load in enumerate(loads):
+        gap = loads[heavy] - load  # moving d bytes lowers the pair's maximum iff 0 < d < gap
+        in_other = [sizes[i] for i, b in enumerate(bin_idx) if b == other]
+        assert not any(0 < a < gap for a in in_heavy), (other, loads)
+        assert not any(0 < a - b < gap for a in in_heavy for b in in_other), (other, loads)
 
 
 def test_refined_never_heavier_when_byte_loads_mislead_the_packing():
