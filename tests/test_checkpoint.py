@@ -456,3 +456,15 @@ def test_byte_sizes_ignored_upstream_but_validated():
     assert checkpoint.assign_bins([1, 0], [123, 5], 2).bin_bytes.tolist() == [5, 0]
     with pytest.raises(ValueError, match="non-negative"):
         checkpoint.assign_bins([1, 0], [-5, 5], 2)
+
+
+@pytest.mark.parametrize("sizing", ["chunk", "global"])
+def test_zero_dimension_makes_zero_bytes_however_large_the_others(sizing):
+    # Upstream multiplies Python ints: 2^62 * 2^62 * 0 is 0, not an overflow.
+    huge = tensor_item("huge", (2**62, 2**62, 0), (2**62, 2**62, 0))
+    items = [huge, tensor_item("small", (3,))]
+    got = checkpoint.split_by_size_and_type(2, items, sizing=sizing)
+    assert names(got) == names(ref.split_by_size_and_type(2, items, sizing))
+    assert checkpoint.write_item_sizes(items, sizing=sizing)[1].tolist() == [0, 6]
+    with pytest.raises(ValueError, match=r"items\[0\].*2\^63-1"):  # no zero: still an overflow
+        checkpoint.split_by_size_and_type(2, [tensor_item("x", (2**62, 2**62, 1), (2**62, 2**62, 1))], sizing=sizing)

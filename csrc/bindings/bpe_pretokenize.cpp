@@ -275,7 +275,11 @@ class Counter {
     const bpe::FlatPretokenCounts counts = finish_flat();
     // Presized: no rehash up to CPython's cap (2^17 slots, ~87K keys); past it the dict still grows a few times.
     const auto num_entries = static_cast<Py_ssize_t>(counts.counts.size());
+#if PY_VERSION_HEX < 0x030D0000
     py::dict out = py::reinterpret_steal<py::dict>(_PyDict_NewPresized(num_entries));
+#else
+    py::dict out = py::reinterpret_steal<py::dict>(PyDict_New());  // 3.13 hid the presized constructor
+#endif
     // The counter is empty now: a dict left unfinished loses the counts for good.
     auto fail = [this] {
       counter_->mark_broken();
@@ -341,15 +345,6 @@ class Counter {
 }  // namespace
 
 void register_bpe_pretokenize(py::module_& m) {
-  // A file that cannot be read is an OSError (FileNotFoundError, ...) carrying errno and the path.
-  py::register_exception_translator([](std::exception_ptr error) {
-    try {
-      if (error) std::rethrow_exception(error);
-    } catch (const bpe::FileError& e) {
-      errno = e.error_number();
-      PyErr_SetFromErrnoWithFilename(PyExc_OSError, e.path().c_str());
-    }
-  });
   m.def("bpe_pretokenize", &pretokenize, py::arg("text"), py::arg("pattern"), py::arg("special_tokens"),
         "Pre-tokens and special tokens of text, in order (pattern: 0 gpt2, 1 cl100k, 2 o200k).");
   m.def("bpe_pretokenize_ends", &pretokenize_ends, py::arg("text"), py::arg("pattern"),

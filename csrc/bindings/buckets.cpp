@@ -1,5 +1,6 @@
-// Bindings for gradient-bucket planning: arrays in, zero-copy NumPy arrays out, plus a direct
-// reader of Megatron's param_index_map dict for the range-map drop-in.
+// Bindings for gradient-bucket planning: arrays in, zero-copy NumPy arrays out, plus the Megatron
+// drop-ins' direct walks over Python objects (the param list, the param_index_map dict), which cost
+// less than building arrays from them in Python.
 #include <algorithm>
 #include <array>
 #include <optional>
@@ -14,14 +15,6 @@
 
 namespace trainfast::bindings {
 namespace {
-
-// Zero-copy NumPy array owning a vector with any allocator.
-template <typename T, typename A>
-py::array_t<T> owned_array(std::vector<T, A>&& values, std::vector<py::ssize_t> shape) {
-  auto* owned = new std::vector<T, A>(std::move(values));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T, A>*>(p); });
-  return py::array_t<T>(shape, owned->data(), free_when_done);
-}
 
 std::span<const int64_t> span_2col(const CArray<int64_t>& array, const char* name) {
   if (array.ndim() != 2 || array.shape(1) != 2) {
@@ -73,12 +66,12 @@ py::tuple shard_ranges(const CArray<int64_t>& param_start, const CArray<int64_t>
                                    rank_end, reverse_order, num_threads, &interrupt);
   }
   const auto rows = static_cast<py::ssize_t>(ranges.rank.size());
-  return py::make_tuple(owned_array(std::move(ranges.rank), {rows}), owned_array(std::move(ranges.bucket), {rows}),
-                        owned_array(std::move(ranges.param), {rows}),
-                        owned_array(std::move(ranges.gbuf_world), {rows, 2}),
-                        owned_array(std::move(ranges.gbuf_world_in_bucket), {rows, 2}),
-                        owned_array(std::move(ranges.gbuf_local), {rows, 2}),
-                        owned_array(std::move(ranges.param_range), {rows, 2}));
+  return py::make_tuple(to_numpy(std::move(ranges.rank), {rows}), to_numpy(std::move(ranges.bucket), {rows}),
+                        to_numpy(std::move(ranges.param), {rows}),
+                        to_numpy(std::move(ranges.gbuf_world), {rows, 2}),
+                        to_numpy(std::move(ranges.gbuf_world_in_bucket), {rows, 2}),
+                        to_numpy(std::move(ranges.gbuf_local), {rows, 2}),
+                        to_numpy(std::move(ranges.param_range), {rows, 2}));
 }
 
 py::tuple partition(const CArray<uint8_t>& is_uint8, const CArray<int64_t>& num_buckets,
@@ -125,10 +118,9 @@ class RangeMapBuilder {
 
   // The param at buffer offsets [start, end): an entry when it overlaps this rank's range.
   void add(py::handle key, int64_t start, int64_t end) {
-    const int64_t local_start = std::max<int64_t>(0, start - world_start_);
-    const int64_t local_end = std::min(world_size_, end - world_start_);
-    if (local_end <= local_start) return;
-    const int64_t sub_start = std::max<int64_t>(0, world_start_ - start);
+    const auto part = buckets::param_shard_range(world_start_, world_start_ + world_size_, start, end);
+    if (!part.owned()) return;
+    const auto [local_start, local_end, sub_start] = part;
     py::dict ranges;
     ranges[gbuf_world_] = range_type_(local_start + world_start_, local_end + world_start_);
     ranges[in_bucket_] = range_type_(local_start + world_start_ - bucket_offset_, local_end + world_start_ - bucket_offset_);
@@ -348,7 +340,9 @@ py::object group_params(const py::list& params, bool grad_reduce_in_fp32, const 
   for (auto& group : groups) {
     py::list indices(group.indices.size());
     for (size_t k = 0; k < group.indices.size(); ++k) {
-      PyList_SET_ITEM(indices.ptr(), static_cast<Py_ssize_t>(k), PyLong_FromLongLong(group.indices[k]));
+      PyObject* index = PyLong_FromLongLong(group.indices[k]);
+      if (index == nullptr) throw py::error_already_set();  // the list's unset slots are NULL, which it frees fine
+      PyList_SET_ITEM(indices.ptr(), static_cast<Py_ssize_t>(k), index);
     }
     py::object numels = py::none(), shared = py::none();
     if (layout_inputs) {

@@ -52,6 +52,9 @@ int64_t numel_of(py::handle shape, size_t idx, const char* field) {
   const Py_ssize_t ndim = PyTuple_GET_SIZE(dims_tuple);
   PyObject** dims = &PyTuple_GET_ITEM(dims_tuple, 0);
   int64_t numel = 1;
+  // Upstream multiplies Python ints: a zero dimension anywhere makes 0 elements, however large the
+  // others, so an overflow only counts once every dimension has been seen.
+  bool overflowed = false, has_zero = false;
   for (Py_ssize_t d = 0; d < ndim; ++d) {
     py::handle dim(dims[d]);
     int overflow = 0;
@@ -61,14 +64,23 @@ int64_t numel_of(py::handle shape, size_t idx, const char* field) {
       throw py::type_error(where() + " must be a sequence of ints (got " +
                            std::string(py::repr(dim)) + ")");
     }
-    if (overflow != 0 || value < 0) {
-      throw py::value_error(where() + " has a negative or oversized dimension (got " +
-                            std::string(py::repr(dim)) + ")");
+    if (overflow < 0 || (overflow == 0 && value < 0)) {
+      throw py::value_error(where() + " has a negative dimension (got " + std::string(py::repr(dim)) + ")");
+    }
+    has_zero = has_zero || (overflow == 0 && value == 0);
+    if (overflowed || overflow > 0) {
+      overflowed = true;
+      continue;
     }
     const auto product = checked_mul(numel, value);
-    if (!product) throw py::value_error(where() + " has more than 2^63-1 elements");
-    numel = *product;
+    if (product) {
+      numel = *product;
+    } else {
+      overflowed = true;
+    }
   }
+  if (has_zero) return 0;
+  if (overflowed) throw py::value_error(where() + " has more than 2^63-1 elements");
   return numel;
 }
 

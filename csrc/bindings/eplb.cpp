@@ -13,14 +13,6 @@
 namespace trainfast::bindings {
 namespace {
 
-// Moves a native buffer into a NumPy array that owns it (no copy).
-template <typename T>
-py::array_t<T> buffer_to_numpy(eplb::Buffer<T>&& values, std::vector<py::ssize_t> shape) {
-  auto* owned = new eplb::Buffer<T>(std::move(values));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<eplb::Buffer<T>*>(p); });
-  return py::array_t<T>(shape, owned->data(), free_when_done);
-}
-
 template <typename T>
 std::span<const T> flat(const CArray<T>& array, const char* name) {
   check_aligned(array, name);
@@ -69,10 +61,10 @@ py::tuple place(Self<eplb::Replication> replication_arg, const CArray<int64_t>& 
   }
   const auto& s = replication.shape;
   return py::make_tuple(
-      buffer_to_numpy(std::move(placement.phy2log), {s.num_layers, s.num_physical}),
-      buffer_to_numpy(std::move(placement.log2phy), {s.num_layers, s.num_logical, placement.max_count}),
-      buffer_to_numpy(std::move(placement.logcnt), {s.num_layers, s.num_logical}),
-      buffer_to_numpy(std::move(placement.phy_rank), {s.num_layers, s.num_physical}));
+      to_numpy(std::move(placement.phy2log), {s.num_layers, s.num_physical}),
+      to_numpy(std::move(placement.log2phy), {s.num_layers, s.num_logical, placement.max_count}),
+      to_numpy(std::move(placement.logcnt), {s.num_layers, s.num_logical}),
+      to_numpy(std::move(placement.phy_rank), {s.num_layers, s.num_physical}));
 }
 
 template <typename Int>
@@ -90,8 +82,8 @@ py::tuple int_loads_typed(const py::array& weight_any, int64_t num_groups) {
     exact = eplb::int_loads<Int>(weight_copy, rows, cols, num_groups, out, group_loads);
   }
   py::object sums = py::none();
-  if (exact) sums = buffer_to_numpy(std::move(group_loads), {rows, num_groups});
-  return py::make_tuple(buffer_to_numpy(std::move(out), {rows, cols}), sums);
+  if (exact) sums = to_numpy(std::move(group_loads), {rows, num_groups});
+  return py::make_tuple(to_numpy(std::move(out), {rows, cols}), sums);
 }
 
 py::tuple int_loads(const py::array& weight, int64_t num_groups) {
@@ -120,8 +112,8 @@ py::tuple balanced_packing_typed(const py::array& weight_any, const CArray<int64
     eplb::balanced_packing<T>(weight_copy, rows, items, order_copy, num_packs, pack_index, rank_in_pack,
                               num_threads, &interrupt);
   }
-  return py::make_tuple(buffer_to_numpy(std::move(pack_index), {rows, items}),
-                        buffer_to_numpy(std::move(rank_in_pack), {rows, items}));
+  return py::make_tuple(to_numpy(std::move(pack_index), {rows, items}),
+                        to_numpy(std::move(rank_in_pack), {rows, items}));
 }
 
 py::tuple balanced_packing(const py::array& weight, const CArray<int64_t>& order, int64_t num_packs,
@@ -149,9 +141,9 @@ py::tuple replicate_experts_typed(const py::array& weight_any, int64_t num_phy, 
     eplb::replicate_experts<T>(weight_copy, rows, num_log, num_phy, phy2log, rank, logcnt, num_threads,
                                &interrupt);
   }
-  return py::make_tuple(buffer_to_numpy(std::move(phy2log), {rows, num_phy}),
-                        buffer_to_numpy(std::move(rank), {rows, num_phy}),
-                        buffer_to_numpy(std::move(logcnt), {rows, num_log}));
+  return py::make_tuple(to_numpy(std::move(phy2log), {rows, num_phy}),
+                        to_numpy(std::move(rank), {rows, num_phy}),
+                        to_numpy(std::move(logcnt), {rows, num_log}));
 }
 
 py::tuple replicate_experts(const py::array& weight, int64_t num_phy, int num_threads) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/buffer.h"
+#include "common/check.h"
 #include "common/parallel.h"
 
 namespace trainfast::bpe {
@@ -99,18 +100,7 @@ class DecodeError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// A file could not be opened or read; `error_number` is errno.
-class FileError : public std::runtime_error {
- public:
-  FileError(const std::string& path, int error_number)
-      : std::runtime_error(path), path_(path), error_number_(error_number) {}
-  const std::string& path() const { return path_; }
-  int error_number() const { return error_number_; }
-
- private:
-  std::string path_;
-  int error_number_;
-};
+using trainfast::FileError;
 
 // Decodes UTF-8 like Python's text mode (errors = strict/replace/ignore, then universal newlines:
 // "\r\n" and "\r" become "\n"), incrementally: the bytes of an unfinished character are kept until

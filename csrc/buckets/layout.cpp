@@ -238,9 +238,7 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
           const int64_t s = start_of(k), e = end_of(k);
           if (s >= world_end) break;
           if (e <= s) continue;
-          const int64_t local_start = std::max<int64_t>(0, s - world_start);
-          const int64_t local_end = std::min(shard, e - world_start);
-          const int64_t sub_start = std::max<int64_t>(0, world_start - s);
+          const auto [local_start, local_end, param_offset] = param_shard_range(world_start, world_end, s, e);
           out.rank[row] = rank;
           out.bucket[row] = b;
           out.param[row] = at(k);
@@ -250,8 +248,8 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
           out.gbuf_world[2 * row + 1] = local_end + world_start;
           out.gbuf_world_in_bucket[2 * row] = local_start + world_start - offset;
           out.gbuf_world_in_bucket[2 * row + 1] = local_end + world_start - offset;
-          out.param_range[2 * row] = sub_start;
-          out.param_range[2 * row + 1] = sub_start + (local_end - local_start);
+          out.param_range[2 * row] = param_offset;
+          out.param_range[2 * row + 1] = param_offset + (local_end - local_start);
           ++row;
         }
       }

@@ -2,6 +2,7 @@
 // per-rank shard ranges, on plain arrays. O(params + ranks * buckets) time and memory.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <memory>
@@ -45,6 +46,23 @@ int64_t bucket_end_divisor(int64_t data_parallel_world_size, bool pad_for_high_n
 
 
 using Int64Buffer = UninitializedBuffer<int64_t>;
+
+// A param's part of one rank's shard, as DistributedOptimizer._build_model_gbuf_param_range_map
+// gives it: the param spans buffer offsets [param_start, param_end), the shard [world_start,
+// world_end). Megatron's four ranges are gbuf_local [local_start, local_end), gbuf_world (the same
+// plus world_start), gbuf_world_in_bucket (that minus the bucket's offset) and param
+// [param_offset, param_offset + local_end - local_start). Offsets are in (-2^62, 2^62).
+struct ParamShardRange {
+  int64_t local_start, local_end;  // within the shard
+  int64_t param_offset;            // where the part starts within the param
+  bool owned() const { return local_end > local_start; }  // false: no overlap, no entry
+};
+
+inline ParamShardRange param_shard_range(int64_t world_start, int64_t world_end, int64_t param_start,
+                                         int64_t param_end) {
+  return {std::max<int64_t>(0, param_start - world_start), std::min(world_end, param_end) - world_start,
+          std::max<int64_t>(0, world_start - param_start)};
+}
 
 struct ShardRanges {
   // One row per (rank, bucket, owned param), ordered by rank, bucket, then layout order.

@@ -8,11 +8,25 @@
 
 namespace trainfast {
 
-// Raised when a long computation is stopped by its caller (Ctrl-C); the bindings map it to
-// KeyboardInterrupt.
+// Raised when a long computation is stopped by its caller (Ctrl-C); the bindings raise what the
+// Python signal handler raised (KeyboardInterrupt for Ctrl-C, SystemExit, TimeoutError, ...).
 class Interrupted : public std::runtime_error {
  public:
   Interrupted() : std::runtime_error("interrupted") {}
+};
+
+// A file could not be opened or read; `error_number` is errno. Python sees an OSError (its errno
+// subclass, e.g. FileNotFoundError) carrying the path.
+class FileError : public std::runtime_error {
+ public:
+  FileError(const std::string& path, int error_number)
+      : std::runtime_error(path), path_(path), error_number_(error_number) {}
+  const std::string& path() const { return path_; }
+  int error_number() const { return error_number_; }
+
+ private:
+  std::string path_;
+  int error_number_;
 };
 
 namespace detail {

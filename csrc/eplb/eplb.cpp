@@ -884,6 +884,7 @@ void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t n
                       std::span<const int64_t> order, int64_t num_packs, std::span<int64_t> pack_index,
                       std::span<int64_t> rank_in_pack, int num_threads, Interrupt* interrupt) {
   TF_CHECK_ARG(num_packs > 0, "num_packs", num_packs, "must be positive");
+  TF_CHECK_ARG(num_packs < (int64_t{1} << 31), "num_packs", num_packs, "must be < 2^31");  // the float path's pack ids
   TF_CHECK_ARG(num_items % num_packs == 0, "num_packs", num_packs, "must divide the number of items");
   TF_CHECK_ARG(static_cast<int64_t>(weight.size()) == num_rows * num_items, "weight", weight.size(),
                "has the wrong number of elements");
