@@ -305,4 +305,4 @@ def train_from_counts(
         table = word_counts
     else:
         raise TypeError(f"word_counts must be a WordCounts or dict[bytes, int] (got {type(word_counts).__name__})")
-    return train_module.train_from_counts(table, vocab_size, tokens or [], show_progress=show_progress)
+    return train_module._train_from_dict(table, vocab_size, tokens or [], show_progress=show_progress)

@@ -17,7 +17,7 @@ from typing import Any, Union
 from trainfast._util import Progress, check_bool, check_choice, check_int, resolve_num_threads
 from trainfast.bpe.pretokenize import _check_special_tokens, count_pretokens
 
-__all__ = ["train_bpe", "train_from_counts"]
+__all__ = ["train_bpe"]
 
 _log = logging.getLogger("trainfast.bpe")
 
@@ -95,14 +95,15 @@ def _count_words(input_path: Any, pattern: Any, special_tokens: list[str], num_t
     return word_counts
 
 
-def train_from_counts(
+def _train_from_dict(
     word_counts: dict[bytes, int],
     vocab_size: int,
     special_tokens: Sequence[str] | None = (),
     *,
     show_progress: bool = True,
 ) -> tuple[Vocab, Merges]:
-    """``train_bpe`` from pre-token counts (``{pre-token bytes: count}``, counts in [1, 2^63-1]).
+    """``train_bpe`` from pre-token counts (``{pre-token bytes: count}``, counts in [1, 2^63-1]); the
+    public entry point is :func:`trainfast.bpe.train_from_counts`, which also takes WordCounts.
 
     Pair counts are 64-bit: a byte pair counted more than 2^63-1 times over all words (each
     occurrence weighted by its word's count) raises ValueError naming the pair.
