@@ -13,7 +13,7 @@ def gpt_write_items(
     ffn_hidden: int = 14336,
     num_experts: int = 16,
     expert_ffn_hidden: int = 2048,
-    vocab: int = 128256,
+    vocab_size: int = 128256,
     tp: int = 8,
     dp: int = 8,
     dp_rank: int = 3,
@@ -55,7 +55,7 @@ def gpt_write_items(
     add_bytes("common.pt")
     add_bytes("rng_state")
     # (name, global shape, dim split over TP or -1 when replicated)
-    weights: list[tuple[str, tuple[int, ...], int]] = [("embedding.word_embeddings.weight", (vocab, hidden), 0)]
+    weights: list[tuple[str, tuple[int, ...], int]] = [("embedding.word_embeddings.weight", (vocab_size, hidden), 0)]
     for layer in range(num_layers):
         prefix = f"decoder.layers.{layer}"
         weights += [
@@ -76,7 +76,7 @@ def gpt_write_items(
                     (f"{prefix}.mlp.experts.{expert}.linear_fc1.weight", (2 * expert_ffn_hidden, hidden), 0),
                     (f"{prefix}.mlp.experts.{expert}.linear_fc2.weight", (hidden, expert_ffn_hidden), 1),
                 ]
-    weights.append(("output_layer.weight", (vocab, hidden), 0))
+    weights.append(("output_layer.weight", (vocab_size, hidden), 0))
     add_bytes("args")
     local_numels = []
     for name, shape, split_dim in weights:
