@@ -139,7 +139,7 @@ def test_nvidia_resiliency_ext_copy_is_patched_and_restored(megatron_fs, monkeyp
     try:
         assert f"{name}._split_by_size_and_type" in patched
         assert stand_in._split_by_size_and_type is not original
-        items = _examples.gpt_write_items(num_layers=2, tp=2, dp=2)
+        items = gpt_write_items(num_layers=2)
         assert ids(stand_in._split_by_size_and_type(4, items)) == ids(original(4, items))
     finally:
         megatron_integration.unpatch()
