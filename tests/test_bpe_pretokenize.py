@@ -6,6 +6,7 @@ import array
 import inspect
 import itertools
 import lzma
+import logging
 import os
 import random
 import subprocess
@@ -992,6 +993,30 @@ def test_cli_without_regex_says_what_to_install(tmp_path, monkeypatch, caplog):
         assert main(["pretokenize", str(tmp_path / "x.txt"), "--pattern", r"\w+"]) == 2
     assert "need the `regex` package (pip install regex)" in caplog.text
     assert main(["pretokenize", str(tmp_path / "x.txt")]) == 0  # the named patterns need no regex
+
+
+@pytest.mark.parametrize("error, dropped", [
+    (ValueError("I/O operation on closed file"), True),
+    (BrokenPipeError(32, "Broken pipe"), True),
+    (OSError(5, "Input/output error"), True),  # EIO: the terminal hung up
+    (TimeoutError("deadline"), False),  # a signal handler's, raised inside the write: the caller's
+    (OSError(28, "No space left on device"), False),
+])
+def test_progress_keeps_only_the_terminals_own_errors(error, dropped):
+    from trainfast._util import Progress
+
+    class FailingBar:
+        def update(self, n):
+            raise error
+
+    progress = Progress(enabled=False, total=100, desc="x", unit="B", logger=logging.getLogger("x"))
+    progress.enabled, progress.bar = True, FailingBar()
+    if dropped:
+        progress.update_to(10)
+        assert progress.bar is None and progress.done == 10
+    else:
+        with pytest.raises(type(error)):
+            progress.update_to(10)
 
 
 def test_progress_display_failure_does_not_stop_counting():

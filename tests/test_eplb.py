@@ -555,7 +555,7 @@ def test_patch_refuses_a_module_without_the_api():
     assert module.balanced_packing is ref.balanced_packing and not integration.is_patched(module)
 
 
-def _vllm_style_rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus):
+def _fixed_width_rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus):
     """DeepSeek's algorithm with log2phy as vLLM's copy sizes it: num_replicas - num_logical + 1."""
     phy2log, log2phy, logcnt = ref.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
     width = num_replicas - weight.shape[1] + 1
@@ -569,11 +569,11 @@ def _sglang_style_rebalance_experts(weight, num_replicas, num_groups, num_nodes,
     return ref.rebalance_experts(weight, num_replicas, 1, 1, num_gpus)
 
 
-@pytest.mark.parametrize("variant", ["vllm", "sglang"])
+@pytest.mark.parametrize("variant", ["fixed_width", "sglang"])
 def test_patch_keeps_each_copys_log2phy_width_and_signature(variant):
     from trainfast.integrations import eplb as integration
 
-    original = _vllm_style_rebalance_experts if variant == "vllm" else _sglang_style_rebalance_experts
+    original = _fixed_width_rebalance_experts if variant == "fixed_width" else _sglang_style_rebalance_experts
     module = types.ModuleType(f"{variant}_eplb")
     module.rebalance_experts = original
     assert integration.patch(module) == [f"{variant}_eplb.rebalance_experts"]
@@ -582,7 +582,7 @@ def test_patch_keeps_each_copys_log2phy_width_and_signature(variant):
         rng = np.random.default_rng(31)
         for _ in range(40):
             args = random_problem(rng)
-            extra = () if variant == "vllm" else (args[2] % args[3] == 0,)
+            extra = () if variant == "fixed_width" else (args[2] % args[3] == 0,)
             assert_same(module.rebalance_experts(*args, *extra), original(*args, *extra))
     finally:
         integration.unpatch(module)
@@ -600,11 +600,44 @@ def test_patch_leaves_a_different_algorithm_alone(caplog):
     module.balanced_packing = ref.balanced_packing
     with caplog.at_level("WARNING", logger="trainfast.integrations.eplb"):
         patched = integration.patch(module)
-    try:
-        assert patched == ["other_eplb.balanced_packing"] and module.rebalance_experts is reversed_slots
-        assert "other_eplb.rebalance_experts left as it is: its answer to a probe differs" in caplog.text
+    try:  # the helper agrees, but rebalance_experts calls it: the whole module stays as it was
+        assert patched == [] and not integration.is_patched(module)
+        assert module.rebalance_experts is reversed_slots and module.balanced_packing is ref.balanced_packing
+        assert "other_eplb left as it is: rebalance_experts's answer to a probe differs" in caplog.text
     finally:
         integration.unpatch(module)
+
+
+def _other_tie_order_balanced_packing(weight, num_packs):
+    """DeepSeek's packing rule with tied loads taken last index first (vLLM's copy sorts with NumPy,
+    whose order among ties is its own): the same answer wherever loads differ."""
+    num_layers, num_groups = weight.shape
+    groups_per_pack = num_groups // num_packs
+    pack_index = torch.full_like(weight, -1, dtype=torch.int64)
+    rank_in_pack = torch.full_like(pack_index, -1)
+    for layer in range(num_layers):
+        loads, counts = [0.0] * num_packs, [0] * num_packs
+        row = weight[layer].tolist()
+        for group in sorted(range(num_groups), key=lambda g: (-row[g], -g)):
+            pack = min((p for p in range(num_packs) if counts[p] < groups_per_pack), key=loads.__getitem__)
+            pack_index[layer, group], rank_in_pack[layer, group] = pack, counts[pack]
+            loads[pack] += float(weight[layer, group])
+            counts[pack] += 1
+    return pack_index, rank_in_pack
+
+
+def test_patch_leaves_a_copy_with_another_tie_order_alone(caplog):
+    from trainfast.integrations import eplb as integration
+
+    module = types.ModuleType("other_order_eplb")
+    module.balanced_packing = _other_tie_order_balanced_packing
+    untied = torch.tensor(README_WEIGHT, dtype=torch.float32)
+    assert_same(module.balanced_packing(untied, 4), ref.balanced_packing(untied, 4))  # differs on ties only
+    module.rebalance_experts = ref.rebalance_experts
+    with caplog.at_level("WARNING", logger="trainfast.integrations.eplb"):
+        assert integration.patch(module) == []
+    assert module.balanced_packing is _other_tie_order_balanced_packing and not integration.is_patched(module)
+    assert "balanced_packing's answer to a probe differs" in caplog.text
 
 
 def _recording_module(calls):
@@ -653,7 +686,7 @@ def test_patched_functions_answer_as_upstream_for_every_dtype(kind, upstream_run
     expected = {"balanced_packing": ref.balanced_packing(weight, 2), "replicate_experts": ref.replicate_experts(weight, 12),
                 "rebalance_experts_hierarchical": ref.rebalance_experts_hierarchical(weight, 16, 4, 2, 8)}
     integration.patch(module)
-    assert calls == ["rebalance_experts"] * 2  # patch's two probes of the module's own function
+    assert sorted(set(calls)) == sorted(integration.FUNCTIONS)  # patch's probes of the module's own functions
     calls.clear()
     try:
         assert_same(module.balanced_packing(weight=weight, num_packs=2), expected["balanced_packing"])

@@ -68,7 +68,7 @@ class Trainer {
     // Symbols are linked by 32-bit positions (half the memory of 64-bit ones); 2 GiB of distinct
     // pre-tokens is far past what real corpora reach (their distinct words repeat).
     TF_CHECK_ARG(total_bytes < static_cast<size_t>(INT32_MAX), "word_counts", total_bytes,
-                 "must hold < 2^31 bytes of distinct pre-tokens (of 2+ bytes) in all");
+                 "must hold < 2^31 - 1 bytes of distinct pre-tokens (of 2+ bytes) in all");
     symbols_.reserve(total_bytes);
     std::vector<int32_t> byte_pair(256 * 256, kNone);  // pair index by left * 256 + right
     for (size_t i = 0; i < num_words; ++i) {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import operator
@@ -107,8 +108,14 @@ def progress_bar(**kwargs: Any) -> Any:
     return _bar_type()(**kwargs)
 
 
-# What a gone terminal raises: ValueError on a closed file, OSError (BrokenPipeError, EIO) on a hung-up one.
-_DISPLAY_ERRORS = (ValueError, OSError)
+def _terminal_gone(error: BaseException) -> bool:
+    """Whether ``error`` is what writing to a gone terminal raises: ValueError on a closed file,
+    EPIPE / EIO / EBADF on a hung-up or closed one. A signal handler's TimeoutError (an OSError too)
+    is not: it must reach the caller."""
+    if isinstance(error, ValueError):
+        return True
+    return (isinstance(error, OSError) and not isinstance(error, (TimeoutError, InterruptedError))
+            and error.errno in (errno.EPIPE, errno.EIO, errno.EBADF))
 
 
 class Progress:
@@ -132,7 +139,9 @@ class Progress:
         try:
             if enabled and sys.stderr is not None and sys.stderr.isatty():
                 self.bar = progress_bar(total=total, unit=unit, desc=desc, **bar_kwargs)
-        except _DISPLAY_ERRORS:
+        except (ValueError, OSError) as error:
+            if not _terminal_gone(error):
+                raise
             self.bar = None
 
     def __enter__(self) -> Progress:
@@ -147,7 +156,9 @@ class Progress:
         if self.bar is not None:
             try:
                 self.bar.update(max(0, done - self.done))
-            except _DISPLAY_ERRORS:
+            except (ValueError, OSError) as error:
+                if not _terminal_gone(error):
+                    raise
                 self.bar = None
         elif time.monotonic() - self._last_log >= self.LOG_INTERVAL_S:
             self._last_log = time.monotonic()
@@ -156,11 +167,12 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
+            bar, self.bar = self.bar, None
             try:
-                self.bar.close()
-            except _DISPLAY_ERRORS:
-                pass
-            self.bar = None
+                bar.close()
+            except (ValueError, OSError) as error:
+                if not _terminal_gone(error):
+                    raise
 
 
 def check_has_data(tensor: Any, name: str) -> None:

@@ -55,8 +55,9 @@ def train_bpe(
             ``"replace"`` or ``"ignore"``.
         show_progress: tqdm bars on a terminal, ``logging`` (INFO) otherwise.
 
-    The corpus may be any size (it is streamed); its distinct pre-tokens may hold at most 2^31 - 1
-    bytes in all (ValueError beyond: the merge loop links them by 32-bit positions).
+    The corpus may be any size (it is streamed); its distinct pre-tokens of 2 or more bytes must
+    hold fewer than 2^31 - 1 bytes in all (ValueError beyond: the merge loop links them by 32-bit
+    positions).
 
     Returns:
         ``(vocab, merges)``: ``vocab`` maps ids ``0..len-1`` to token bytes (layout in the module

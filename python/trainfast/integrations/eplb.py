@@ -7,11 +7,12 @@
 ['my_copy_of_eplb.balanced_packing', ...]
 
 Outputs are unchanged (bit-identical on the same torch); SGLang's extra ``enable_hierarchical``
-argument is accepted, and copies that size ``log2phy`` to num_replicas - num_logical + 1 (vLLM's)
-instead of the largest replica count (DeepSeek's) get that width. ``patch`` first asks the module's
-``rebalance_experts`` two probe questions and leaves it alone (with a warning) unless the answers
-equal trainfast's up to that width. Where upstream computes in the weight's own dtype and trainfast does not
-reproduce it (float16/bfloat16/bool helper weights, a non-float32 weight given to
+argument is accepted, and a copy that sizes ``log2phy`` to num_replicas - num_logical + 1 instead
+of the largest replica count (DeepSeek's) gets that width. ``patch`` first asks each of the
+module's functions probe questions (the README example and tied loads) and leaves the whole module
+alone, with a warning, unless every answer equals trainfast's (up to that width): vLLM's copy, for
+one, orders tied loads another way. Where upstream computes in the weight's own dtype and trainfast
+does not reproduce it (float16/bfloat16/bool helper weights, a non-float32 weight given to
 ``rebalance_experts_hierarchical`` directly, narrow integer pack sums that would wrap around), the
 module's own function runs (upstream's speed).
 """
@@ -90,18 +91,36 @@ def _computes_in_own_dtype(name: str, weight: Any) -> bool:
     return False
 
 
-# The README example: (num_replicas, num_groups, num_nodes, num_gpus) once with the hierarchical
-# policy and once with the global one (5 groups on 2 nodes).
-_PROBE_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-                 [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
-_PROBES = (((16, 4, 2, 8), True), ((16, 5, 2, 8), False))
+# Probe inputs: the README example and small tied integer loads, on which a copy that orders ties
+# another way (vLLM's sorts with NumPy) answers differently.
+_README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                  [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+_TIED_WEIGHT = [[0, 3, 1, 1, 2, 0, 3, 3, 1, 2, 2, 0, 1, 3, 0, 2],
+                [1, 1, 0, 2, 3, 3, 0, 1, 2, 2, 1, 0, 3, 0, 2, 1]]
+# name -> [(weight, other positional arguments, enable_hierarchical or None)]
+_PROBES = {
+    "balanced_packing": [(_README_WEIGHT, (4,), None), (_TIED_WEIGHT, (4,), None)],
+    "replicate_experts": [(_README_WEIGHT, (16,), None), (_TIED_WEIGHT, (24,), None)],
+    "rebalance_experts_hierarchical": [(_README_WEIGHT, (16, 4, 2, 8), None), (_TIED_WEIGHT, (24, 4, 2, 8), None)],
+    "rebalance_experts": [(_README_WEIGHT, (16, 4, 2, 8), True), (_README_WEIGHT, (16, 5, 2, 8), False),
+                          (_TIED_WEIGHT, (24, 4, 2, 8), True), (_TIED_WEIGHT, (24, 3, 2, 4), False)],
+}
 
 
-def _log2phy_width(original: Any) -> tuple[str | None, str]:
-    """How the module's ``rebalance_experts`` sizes ``log2phy``: ``"max_count"`` (DeepSeek: the
-    largest replica count) or ``"num_redundant"`` (vLLM's copy: num_replicas - num_logical + 1),
-    read off its answers to two probes, which must otherwise equal trainfast's. ``(None, why)`` for
-    a module that answers differently or cannot be called like DeepSeek's."""
+def _padded_to_num_redundant(log2phy: Any, ours: Any, num_replicas: int) -> bool:
+    """Whether ``log2phy`` is ``ours`` widened with -1 to num_replicas - num_logical + 1 columns."""
+    import torch
+
+    width = num_replicas - ours.shape[1] + 1
+    return (isinstance(log2phy, torch.Tensor) and log2phy.dim() == 3 and log2phy.shape[2] == width > ours.shape[2]
+            and bool((log2phy[..., ours.shape[2]:] == -1).all()))
+
+
+def _probe(name: str, original: Any) -> tuple[str | None, str]:
+    """Asks the module's own ``name`` the probe questions and compares with trainfast's answers:
+    ``(how, "")`` where they agree, ``how`` being ``"max_count"`` for all but a ``rebalance_experts``
+    that sizes ``log2phy`` as vLLM's copy does, num_replicas - num_logical + 1 instead of the
+    largest replica count (``"num_redundant"``); ``(None, why)`` where they differ."""
     import inspect
 
     import torch
@@ -112,24 +131,24 @@ def _log2phy_width(original: Any) -> tuple[str | None, str]:
         parameters = inspect.signature(original).parameters
     except (TypeError, ValueError):
         parameters = {}
-    width = None
-    for (num_replicas, num_groups, num_nodes, num_gpus), hierarchical in _PROBES:
-        args = (torch.tensor(_PROBE_WEIGHT, dtype=torch.float32), num_replicas, num_groups, num_nodes, num_gpus)
-        kwargs = {"enable_hierarchical": hierarchical} if "enable_hierarchical" in parameters else {}
+    how = "max_count"
+    for weight, rest, hierarchical in _PROBES[name]:
+        args = (torch.tensor(weight, dtype=torch.float32), *rest)
+        kwargs = {"enable_hierarchical": hierarchical} if hierarchical is not None and "enable_hierarchical" in \
+            parameters else {}
         try:
-            phy2log, log2phy, logcnt = original(*args, **kwargs)
+            answer = tuple(original(*args, **kwargs))
         except Exception as error:  # not callable as DeepSeek's: leave it alone
-            return None, f"it cannot be called as DeepSeek's ({type(error).__name__}: {error})"
-        expected = eplb.rebalance_experts(*args, **kwargs)
-        max_count = int(expected[2].max())
-        widths = {max_count: "max_count", num_replicas - len(_PROBE_WEIGHT[0]) + 1: "num_redundant"}
-        found = widths.get(log2phy.shape[-1]) if isinstance(log2phy, torch.Tensor) and log2phy.dim() == 3 else None
-        if found is None or not (torch.equal(phy2log, expected[0]) and torch.equal(logcnt, expected[2])
-                                 and torch.equal(log2phy[..., :max_count], expected[1])
-                                 and bool((log2phy[..., max_count:] == -1).all())):
-            return None, "its answer to a probe differs from DeepSeek's"
-        width = found
-    return width, ""
+            return None, f"{name} cannot be called as DeepSeek's ({type(error).__name__}: {error})"
+        expected = getattr(eplb, name)(*args, **kwargs)
+        if name == "rebalance_experts" and len(answer) == 3 and _padded_to_num_redundant(answer[1], expected[1], args[1]):
+            how = "num_redundant"
+            answer = (answer[0], answer[1][..., :expected[1].shape[2]], answer[2])
+        same = len(answer) == len(expected) and all(
+            isinstance(a, torch.Tensor) and a.shape == e.shape and torch.equal(a, e) for a, e in zip(answer, expected))
+        if not same:
+            return None, f"{name}'s answer to a probe differs from DeepSeek's"
+    return how, ""
 
 
 def _replacement(name: str, original: Any, log2phy_width: str = "max_count") -> Any:
@@ -167,22 +186,22 @@ def patch(module: ModuleType | str | None = None) -> list[str]:
         raise ValueError(f"module {target.__name__!r} has no rebalance_experts (not DeepSeek's EPLB API)")
     with _lock:
         saved = _patched.setdefault(target, {})
-        patched = []
-        for name in FUNCTIONS:
-            if not hasattr(target, name):
-                continue
-            if name not in saved or _reloaded(getattr(target, name), *saved[name]):
-                original = getattr(target, name)
-                options = {}
-                if name == "rebalance_experts":
-                    width, why = _log2phy_width(original)
-                    if width is None:
-                        logger.warning("%s.rebalance_experts left as it is: %s", target.__name__, why)
-                        continue
-                    options["log2phy_width"] = width
-                saved[name] = (original, _replacement(name, original, **options))
-                setattr(target, name, saved[name][1])
-            patched.append(f"{target.__name__}.{name}")
+        present = [name for name in FUNCTIONS if hasattr(target, name)]
+        fresh = [name for name in present if name not in saved or _reloaded(getattr(target, name), *saved[name])]
+        # Every function asked on the untouched module first (rebalance_experts calls the helpers);
+        # one that answers otherwise leaves the whole module as it is.
+        verdicts = {name: _probe(name, getattr(target, name)) for name in fresh}
+        refused = [why for how, why in verdicts.values() if how is None]
+        if refused:
+            logger.warning("%s left as it is: %s", target.__name__, "; ".join(refused))
+            if not saved:
+                del _patched[target]
+            return []
+        for name in fresh:
+            original = getattr(target, name)
+            saved[name] = (original, _replacement(name, original, log2phy_width=verdicts[name][0]))
+            setattr(target, name, saved[name][1])
+        patched = [f"{target.__name__}.{name}" for name in present]
     logger.info("patched %s", ", ".join(patched))
     return patched
 
