@@ -175,7 +175,8 @@ def _replacement(name: str, original: Any, log2phy_width: str = "max_count") -> 
 
 
 def patch(module: ModuleType | str | None = None) -> list[str]:
-    """Replaces DeepSeek's EPLB functions found in ``module``; returns the ``module.name`` replaced.
+    """Replaces DeepSeek's EPLB functions found in ``module``; returns the ``module.name`` replaced,
+    ``[]`` (with a warning logged) when a function's answer to a probe differs from trainfast's.
 
     Raises ValueError when ``module`` has no ``rebalance_experts``, ImportError when ``module`` is
     None and no known module with it imports. Idempotent; after
