@@ -136,13 +136,13 @@ class Progress:
         self._describe = describe or (lambda done: f"{done:,}{f'/{total:,}' if total else ''} {unit.strip()}")
         self._last_log = time.monotonic()
         self.bar = None
-        try:
-            if enabled and sys.stderr is not None and sys.stderr.isatty():
+
+        def open_bar() -> None:
+            if sys.stderr.isatty():
                 self.bar = progress_bar(total=total, unit=unit, desc=desc, **bar_kwargs)
-        except (ValueError, OSError) as error:
-            if not _terminal_gone(error):
-                raise
-            self.bar = None
+
+        if enabled and sys.stderr is not None:
+            self._on_terminal(open_bar)
 
     def __enter__(self) -> Progress:
         return self
@@ -154,12 +154,7 @@ class Progress:
         if not self.enabled:
             return
         if self.bar is not None:
-            try:
-                self.bar.update(max(0, done - self.done))
-            except (ValueError, OSError) as error:
-                if not _terminal_gone(error):
-                    raise
-                self.bar = None
+            self._on_terminal(lambda: self.bar.update(max(0, done - self.done)))
         elif time.monotonic() - self._last_log >= self.LOG_INTERVAL_S:
             self._last_log = time.monotonic()
             self._logger.info("%s: %s", self.desc, self._describe(done))
@@ -167,12 +162,17 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
-            bar, self.bar = self.bar, None
-            try:
-                bar.close()
-            except (ValueError, OSError) as error:
-                if not _terminal_gone(error):
-                    raise
+            self._on_terminal(self.bar.close)
+            self.bar = None
+
+    def _on_terminal(self, display: Callable[[], Any]) -> None:
+        """Runs ``display``; if the terminal has gone, drops the bar instead of failing the work."""
+        try:
+            display()
+        except (ValueError, OSError) as error:
+            if not _terminal_gone(error):
+                raise
+            self.bar = None
 
 
 def check_has_data(tensor: Any, name: str) -> None:

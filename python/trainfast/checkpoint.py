@@ -137,7 +137,7 @@ def write_item_sizes(
     count_bytes = check_bool(count_bytes, "count_bytes")
     threads = resolve_num_threads(num_threads)
     is_bytes, sizes = _core.checkpoint_write_item_sizes(
-        _check_items(items), _byte_io_type(), _element_sizes(), sizing == "global", bool(count_bytes), threads
+        _check_items(items), _byte_io_type(), _element_sizes(), sizing == "global", count_bytes, threads
     )
     return to_tensor(is_bytes).view(torch.bool), to_tensor(sizes)
 

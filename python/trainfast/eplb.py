@@ -42,6 +42,7 @@ from trainfast._util import (
     check_bool,
     check_choice,
     check_has_data,
+    check_int,
     check_ints_fit_int64,
     resolve_num_threads,
 )
@@ -66,12 +67,7 @@ _EMPTY_I64 = np.empty(0, dtype=np.int64)
 
 def _count(value: Any, name: str) -> int:
     """A positive int argument; upstream asserts on these, so the error is also an AssertionError."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
-    try:
-        value = value.__index__()
-    except TypeError:  # a float tensor has __index__ but refuses it
-        raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})") from None
+    value = check_int(value, name)
     if value <= 0:
         raise UpstreamAssertionError(f"{name} must be positive (got {value})")
     if value >= 2**62:  # the native core takes int64; no real count comes near

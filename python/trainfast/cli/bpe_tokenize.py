@@ -201,8 +201,8 @@ def _decode_command(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args)
     start = time.perf_counter()
     num_bytes = 0
-    progress = Progress(enabled=not args.no_progress, total=len(ids), desc="bpe decode", unit="tok", logger=_log, unit_scale=True,
-                        leave=False)
+    progress = Progress(enabled=not args.no_progress, total=len(ids), desc="bpe decode", unit="tok", logger=_log,
+                        unit_scale=True, leave=False)
 
     def write_slices(f: Any) -> None:
         # In slices of 1M ids: memory stays bounded (ids become Python ints) and Ctrl-C is seen between them.
