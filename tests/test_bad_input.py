@@ -530,6 +530,7 @@ CASES += [
     Case("trainfast pipeline (CLI)", "wrong value", lambda: _cli("pipeline", "--method", "layout", "--layout", "Ett|tt|tt|tL", "--pp", "2", "--first", "5"), ValueError, "--first is not used"),
     Case("trainfast pipeline (CLI)", "wrong value", lambda: _cli("pipeline", "--method", "balanced", "--random-costs", "1", "--account-for-loss"), ValueError, "--account-for-loss is not used"),
     Case("trainfast pipeline (CLI)", "wrong value", lambda: _cli("pipeline", "--layout", "Et|tL"), ValueError, "--layout is not used by --method megatron"),
+    Case("trainfast pipeline (CLI)", "wrong value", lambda: _cli("pipeline", "--method", "balanced", "--num-layers", "2", "--pp", "2", "--costs", "1,1", "--random-costs", "3"), ValueError, "--costs or --random-costs, not both"),
     Case("trainfast pipeline (CLI)", "indivisible sizes", lambda: _cli("pipeline", "--num-layers", "7", "--pp", "2"), ValueError, "lost"),
     Case("trainfast buckets (CLI)", "negative", lambda: _cli("buckets", "--bucket-size", "-5"), ValueError, "bucket"),
     Case("trainfast buckets (CLI)", "zero", lambda: _cli("buckets", "--expert-dp", "0"), ValueError, "dp"),

@@ -429,3 +429,19 @@ def test_cli_bad_input(parts, tmp_path):
     assert main(["bpe", "train", str(parts[0]), "--from-counts", str(tmp_path / "bad.tfwc"), "--vocab-size", "300",
                  "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("option", [["--threads", "1"], ["--errors", "ignore"], ["--errors", "strict"]])
+def test_cli_train_from_counts_refuses_pretokenizer_options(parts, tmp_path, caplog, option):
+    # The counts are already pre-tokenized: these options would silently do nothing.
+    from trainfast.cli import main
+
+    counts = str(tmp_path / "c.tfwc")
+    assert main(["bpe", "count", str(parts[0]), "--out", counts, "--no-progress"]) == 0
+    assert main(["bpe", "train", "--from-counts", counts, "--vocab-size", "300", *option,
+                 "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert f"{option[0]} reads text files" in caplog.text
+    assert not (tmp_path / "o").exists()
+    # Training on text still takes both.
+    assert main(["bpe", "train", str(parts[0]), "--vocab-size", "300", *option,
+                 "--out", str(tmp_path / "t"), "--no-progress"]) == 0

@@ -590,6 +590,14 @@ def test_summary_mentions_buckets_and_padding():
     assert "3 params in 2 buckets" in text and "padding" in text and "per-rank shard" in text
 
 
+def test_summary_of_a_ddp_layout_counts_the_grad_buffer_only():
+    # Without the distributed optimizer Megatron allocates no param buffer.
+    layout = buckets.plan_layout([1024] * 4, bucket_size=None, data_parallel_world_size=2,
+                                 use_distributed_optimizer=False)
+    assert layout.numel == 4096
+    assert "grad buffer per rank: 16.0 KiB (not sharded" in layout.summary(param_bytes=2, grad_bytes=4)
+
+
 # --- bad input -------------------------------------------------------------------------------------------
 
 

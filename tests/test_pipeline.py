@@ -658,6 +658,18 @@ def test_cli_pipeline_table():
     assert "Ett|tt|tt|tL" in out and "0-1" in out and "6" in out
 
 
+def test_cli_pipeline_extra_costs_are_not_layer_counts(capsys):
+    from trainfast.cli import main
+
+    assert main(["pipeline", "--num-layers", "8", "--pp", "2", "--embedding-cost", "5"]) == 0
+    out = capsys.readouterr().out
+    # Rank 0 holds 4 layers and the embedding: its column is a cost, not a layer count.
+    assert "stage cost" in out and "layers" not in out.splitlines()[0]
+    assert "9.00" in out
+    assert main(["pipeline", "--num-layers", "8", "--pp", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[-1] == "layers"
+
+
 def test_cli_pipeline_bad_input_exit_code():
     result = subprocess.run(
         [sys.executable, "-m", "trainfast.cli", "pipeline", "--num-layers", "7", "--pp", "2", "--vpp", "2"],

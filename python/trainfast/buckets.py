@@ -231,7 +231,9 @@ class ParamLayout:
                 f"full buffers)"
             )
         else:
-            lines.append(f"buffers per rank: {_fmt_bytes(self.numel * (grad_bytes + param_bytes))} (not sharded)")
+            # Megatron allocates a param buffer only for the distributed optimizer.
+            lines.append(f"grad buffer per rank: {_fmt_bytes(self.numel * grad_bytes)} (not sharded; params stay "
+                         f"in their own tensors)")
         num_buckets = indices.shape[0]
         shown = min(num_buckets, max_buckets)
         if shown:

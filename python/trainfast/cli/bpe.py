@@ -23,16 +23,18 @@ def _thread_count(text: str) -> int:
 
 
 def add_pretokenizer_arguments(parser: argparse.ArgumentParser, *, pattern_default: str | None = "gpt2",
-                               pattern_help: str = "gpt2 (default), cl100k, o200k or a regular expression") -> None:
+                               pattern_help: str = "gpt2 (default), cl100k, o200k or a regular expression",
+                               errors_default: str | None = "strict") -> None:
     """--special-token, --pattern, --threads and --errors: how a command that reads text files splits it.
 
-    ``pattern_default`` None lets the handler tell "--pattern not given" from "--pattern gpt2" (``bpe train``
-    takes the pattern of its --from-counts files then); ``pattern_help`` should say what the default is."""
+    ``pattern_default`` / ``errors_default`` None let the handler tell "not given" from the default's
+    spelling (``bpe train`` takes the pattern of its --from-counts files then, and refuses --errors
+    there); ``pattern_help`` should say what the default is."""
     parser.add_argument("--special-token", action="append", default=[], dest="special_tokens",
                         help="special token (repeatable), e.g. '<|endoftext|>': split out first, never counted")
     parser.add_argument("--pattern", default=pattern_default, help=pattern_help)
     parser.add_argument("--threads", type=_thread_count, default=None, help="pre-tokenizer threads (default: all cores)")
-    parser.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
+    parser.add_argument("--errors", default=errors_default, choices=["strict", "replace", "ignore"],
                         help="invalid UTF-8: fail naming the byte offset (default), replace or ignore")
 
 
@@ -45,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--out", required=True, help="directory for vocab.json and merges.txt")
     add_pretokenizer_arguments(train, pattern_default=None,
                                pattern_help="gpt2, cl100k, o200k or a regular expression (default: gpt2 for text "
-                                            "files, the counts' own pattern with --from-counts)")
+                                            "files, the counts' own pattern with --from-counts)",
+                               errors_default=None)
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(handler=_train_command)
 
@@ -69,7 +72,8 @@ def _train_command(args: argparse.Namespace) -> int:
     # --pattern defaults to None so that --from-counts can tell an explicit gpt2 from none given.
     pattern = "gpt2" if args.pattern is None else args.pattern
     vocab, merges = train_bpe(args.corpus, args.vocab_size, args.special_tokens, pattern=pattern,
-                              num_threads=args.threads, errors=args.errors, show_progress=not args.no_progress)
+                              num_threads=args.threads, errors=args.errors or "strict",
+                              show_progress=not args.no_progress)
     seconds = time.perf_counter() - start
     save(vocab, merges, args.out)
     print(f"bpe: {len(merges):,} merges, vocab {len(vocab):,} in {seconds:.2f} s -> {args.out}/vocab.json, merges.txt")

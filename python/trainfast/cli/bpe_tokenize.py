@@ -101,6 +101,10 @@ def _train_command(args: argparse.Namespace, corpus_handler) -> int:
         return corpus_handler(args)
     if args.corpus:
         raise ValueError("give either text files or --from-counts, not both")
+    # Counts are already pre-tokenized: options of the pre-tokenizer would do nothing.
+    for name in ("threads", "errors"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name} reads text files; --from-counts trains on counted pre-tokens")
     from trainfast.bpe import save
     from trainfast.bpe.counts import WordCounts, _pattern_key, train_from_counts
     from trainfast._util import check_output_dir

@@ -168,8 +168,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dp", type=int, default=256, help="data-parallel world size (default 256)")
     parser.add_argument("--expert-dp", type=int, default=None, help="expert data-parallel size (default --dp)")
     parser.add_argument("--bucket-size", default="default",
-                        help="elements per bucket, 'none' for no size limit (tied embeddings still get buckets of "
-                             "their own, as in Megatron; default max(40M, 1M*dp))")
+                        help="elements per bucket, 'none' for no size limit (with the distributed optimizer, tied "
+                             "embeddings still get buckets of their own, as in Megatron; default max(40M, 1M*dp))")
     parser.add_argument("--no-distributed-optimizer", action="store_true", help="DDP's default unpadded layout")
     parser.add_argument("--busbw", action="store_true", help="pad_buckets_for_high_nccl_busbw")
     parser.add_argument("--param-bytes", type=int, default=2, help="param element bytes (default 2, bf16)")

@@ -72,6 +72,8 @@ def _handle(args: argparse.Namespace) -> int:
 
     _check_options(args)
     costs: Any = None
+    if args.costs is not None and args.random_costs is not None:
+        raise ValueError("give --costs or --random-costs, not both")
     if args.costs is not None:
         costs = _floats(args.costs, "--costs")
     num_layers = args.num_layers
@@ -111,8 +113,10 @@ def _handle(args: argparse.Namespace) -> int:
         text = tp.to_layout_str(plan, args.pp, vpp)
     if costs is not None and len(costs) != num_layers:
         raise ValueError(f"--costs has {len(costs)} entries but there are {num_layers} layers")
+    # Unit costs print as layer counts only while nothing else adds to a stage's cost.
+    unit_costs = costs is None and args.embedding_cost == 0 and args.loss_cost == 0
     print_table(plan, args.pp, vpp, costs if costs is not None else [1.0] * num_layers,
-                args.embedding_cost, args.loss_cost, unit_costs=costs is None)
+                args.embedding_cost, args.loss_cost, unit_costs=unit_costs)
     print(f"layout: {text}")
     return 0
 
