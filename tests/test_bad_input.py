@@ -176,7 +176,7 @@ CASES: list[Case] = [
     Case("checkpoint.split_by_size_and_type", "malformed object", lambda: checkpoint.split_by_size_and_type(2, [object()]), TypeError, r"items\[0\]"),
     Case("checkpoint.split_by_size_and_type", "negative", lambda: checkpoint.split_by_size_and_type(2, [_tensor_item((3, -1))]), ValueError, r"items\[0\]"),
     Case("checkpoint.split_by_size_and_type", "int64 overflow", lambda: checkpoint.split_by_size_and_type(2, [_tensor_item((2**40, 2**40))]), ValueError, r"items\[0\]"),
-    Case("checkpoint.split_by_size_and_type", "wrong dtype", lambda: checkpoint.split_by_size_and_type(2, [_tensor_item((2,), "f32")]), ValueError, "dtype"),
+    Case("checkpoint.split_by_size_and_type", "wrong dtype", lambda: checkpoint.split_by_size_and_type(2, [_tensor_item((2,), "f32")]), TypeError, "dtype"),
     Case("checkpoint.split_by_size_and_type", "NaN/inf", lambda: checkpoint.split_by_size_and_type(2, [_tensor_item((float("nan"),))]), TypeError, r"items\[0\]"),
     Case("checkpoint.split_by_size_and_type", "malformed string", lambda: checkpoint.split_by_size_and_type(2, [], sizing="chunks"), ValueError, "sizing"),
     # --- checkpoint.assign_bins -----------------------------------------------------------------

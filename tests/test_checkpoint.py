@@ -344,13 +344,35 @@ def test_tensor_item_without_tensor_data():
     bad = WriteItem(index=MetadataIndex("x"), type=WriteItemType.TENSOR)
     with pytest.raises(ValueError, match=r"items\[0\] is a tensor item but its tensor_data is None"):
         checkpoint.split_by_size_and_type(2, [bad])
+    # Upstream asserts tensor_data is not None.
+    with pytest.raises(AssertionError):
+        checkpoint.split_by_size_and_type(2, [bad])
 
 
 def test_unknown_dtype():
     item = tensor_item("x", (2, 2))
     object.__setattr__(item.tensor_data.properties, "dtype", "float32")
-    with pytest.raises(ValueError, match=r"items\[0\] has an unknown dtype"):
+    with pytest.raises(TypeError, match=r"items\[0\] has an unknown dtype"):
         checkpoint.split_by_size_and_type(2, [item])
+
+
+@pytest.mark.parametrize("name", ["uint1", "int4", "bits8"])
+def test_sub_byte_dtype_is_a_type_error_as_upstream(name):
+    dtype = getattr(torch, name)
+    item = tensor_item("x", (2, 2))
+    object.__setattr__(item.tensor_data.properties, "dtype", dtype)
+    with pytest.raises(TypeError):
+        torch._utils._element_size(dtype)  # what upstream's item size calls
+    with pytest.raises(TypeError, match=r"items\[0\] has an unknown dtype"):
+        checkpoint.split_by_size_and_type(2, [item])
+
+
+@pytest.mark.parametrize("balance", ["upstream", "refined"])
+def test_sizes_summing_past_int64_name_items(balance):
+    # Each item fits (2^62 bytes), their sum does not: refused naming `items`, not an inner array.
+    items = [tensor_item(f"t{i}", (1 << 30, 1 << 30), dtype=torch.float32) for i in range(3)]
+    with pytest.raises(ValueError, match=r"^items: sizes summing past 2\^63-1 bytes .*items\[1\]"):
+        checkpoint.split_by_size_and_type(2, items, balance=balance)
 
 
 def test_overflowing_item_size():

@@ -259,8 +259,11 @@ def test_pp_rank_from_megatron_parallel_state(mcore):
 
 def test_pp_rank_required_without_parallel_state(monkeypatch):
     monkeypatch.delitem(sys.modules, "megatron.core.parallel_state", raising=False)
-    with pytest.raises(ValueError, match="pp_rank must be given"):
+    # Upstream asserts there: the error is an AssertionError as well as a ValueError.
+    with pytest.raises(AssertionError, match="pp_rank must be given"):
         tp.get_num_layers_to_build(SimpleNamespace(num_layers=8, pipeline_model_parallel_size=4))
+    with pytest.raises(ValueError, match="pp_rank must be given"):
+        tp.get_transformer_layer_offset(SimpleNamespace(num_layers=8, pipeline_model_parallel_size=4))
 
 
 # ------------------------------------------------------------------------------------------------

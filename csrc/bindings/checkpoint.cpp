@@ -124,7 +124,8 @@ class ElementSizeCache {
     PyObject* size = PyDict_GetItemWithError(element_sizes_.ptr(), dtype.ptr());
     if (size == nullptr) {
       if (PyErr_Occurred()) clear_input_error();
-      throw py::value_error(item_name(idx) + " has an unknown dtype (got " +
+      // Upstream's element size raises TypeError too (torch.iinfo of a sub-byte dtype).
+      throw py::type_error(item_name(idx) + " has an unknown dtype (got " +
                             std::string(py::repr(dtype)) + ")");
     }
     const int64_t value = checked_size(size);
@@ -265,7 +266,7 @@ void read_item_generic(ItemReadContext& ctx, const py::object& item, size_t i, u
   }
   const py::object tensor_data = get_attr(r.tensor_data, item, i);
   if (tensor_data.is_none()) {
-    throw py::value_error(item_name(i) + " is a tensor item but its tensor_data is None");
+    raise_upstream_assertion(item_name(i) + " is a tensor item but its tensor_data is None");
   }
   const int64_t numel =
       ctx.global_sizing
@@ -369,6 +370,17 @@ py::list split_write_items(const py::list& items, int64_t bins, const py::object
   check_output_fits("split_by_size_and_type: the list of bins", bins, 96);
   ItemArrays arrays =
       read_items(items, byte_io_type, element_sizes, global_sizing, refined, num_threads);
+  // The core keeps bin loads in int64; upstream adds Python ints. Said here in terms of `items`.
+  int64_t total = 0;
+  for (size_t i = 0; i < arrays.sizes.size(); ++i) {
+    if (arrays.is_bytes[i] && !refined) continue;
+    const auto sum = checked_add(total, arrays.sizes[i]);
+    if (!sum) {
+      throw py::value_error("items: sizes summing past 2^63-1 bytes are not supported (the sizes up to "
+                            "items[" + std::to_string(i) + "] do)");
+    }
+    total = *sum;
+  }
   const checkpoint::BinPlan plan = plan_without_gil(arrays.is_bytes, arrays.sizes, bins, refined);
   // The last item's properties, or another thread while planning ran without the GIL, may have
   // resized the list (read_items catches it shrinking while it reads).

@@ -58,6 +58,14 @@ inline void clear_input_error() {
   PyErr_Clear();
 }
 
+// Raises trainfast._util.UpstreamAssertionError (a ValueError and an AssertionError) where the
+// upstream code asserts, so callers catching either see what they did before a patch. Needs the GIL.
+[[noreturn]] inline void raise_upstream_assertion(const std::string& message) {
+  const py::object error_type = py::module_::import("trainfast._util").attr("UpstreamAssertionError");
+  PyErr_SetString(error_type.ptr(), message.c_str());
+  throw py::error_already_set();
+}
+
 // `value` as a Python int: an int as it is, anything with __index__ (NumPy integers) through it,
 // nothing (an empty object) for anything else, bool included. __index__ may run Python code; an
 // error from it other than TypeError (Ctrl-C, MemoryError) propagates.

@@ -99,11 +99,12 @@ def _current_pp_rank() -> int:
     """Megatron's pipeline rank, as upstream reads it when pp_rank is None."""
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is None:
-        raise ValueError("pp_rank must be given: megatron.core.parallel_state is not loaded")
+        raise UpstreamAssertionError("pp_rank must be given: megatron.core.parallel_state is not loaded")
     try:
         return _check_int(parallel_state.get_pipeline_model_parallel_rank(), "pp_rank", min_value=0)
     except (AssertionError, RuntimeError, AttributeError) as error:
-        raise ValueError(f"pp_rank must be given: Megatron's parallel state is not initialized ({error})") from None
+        raise UpstreamAssertionError(f"pp_rank must be given: Megatron's parallel state is not initialized "
+                                     f"({error})") from None
 
 
 def _optional_int(value: Any, name: str, *, min_value: int | None = None) -> Optional[int]:
@@ -229,7 +230,8 @@ class PipelineLayout:
         counts, offsets = self._layer_counts(layer_type)
         return list(range(offsets[chunk], offsets[chunk] + counts[chunk]))
 
-    # upstream method names, so a PipelineLayout can stand in for Megatron's object
+    # Upstream's getter names, so a PipelineLayout answers these three calls like Megatron's object
+    # (only these: its .layout holds characters, not LayerType lists, and it has no validate_layer_layout).
     get_num_layers_to_build = num_layers_to_build
     get_layer_offset = layer_offset
     get_layer_id_list = layer_ids
