@@ -226,7 +226,8 @@ def make_params(rng, n, *, dtypes=(torch.bfloat16,), experts=False, shared_ends=
 
 
 def test_group_params_for_buffers_matches_oracle(monkeypatch):
-    from megatron.core import fp8_utils
+    # Upstream calls is_float8tensor by the name param_and_grad_buffer imported: the stand-in goes there.
+    from megatron.core.distributed import param_and_grad_buffer as fp8_utils
 
     rng = random.Random(3)
     params = make_params(rng, 300, dtypes=(torch.bfloat16, torch.float32, torch.float16), experts=True)
@@ -250,7 +251,7 @@ def test_group_params_for_buffers_matches_oracle(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_per_buffer_and_full_layout_dropins(seed, monkeypatch):
-    from megatron.core import fp8_utils
+    from megatron.core.distributed import param_and_grad_buffer as fp8_utils
 
     rng = random.Random(5 + seed)
     params = make_params(rng, 60, dtypes=(torch.bfloat16, torch.float32), experts=True, shared_ends=True)
@@ -515,6 +516,62 @@ def test_megatron_partition_buckets_with_and_without_patch(megatron_cpu):
         buckets.partition_buckets([buf_b, buf_a, buf_b])
 
 
+@pytest.mark.parametrize("release", ["0.17", "0.18"])
+def test_partition_buckets_three_argument_forms(megatron_cpu, monkeypatch, tmp_path, release):
+    # Both take reduce_scatter_with_fp32_accumulation; only 0.17's refuses two buffers of one dtype.
+    import importlib.util
+
+    from megatron.core.distributed import distributed_data_parallel as ddp_module
+
+    from trainfast.integrations import megatron
+
+    body = "dtype_to_buffer_map = {}" if release == "0.17" else "pass"
+    (tmp_path / "stand_in.py").write_text(
+        "def partition_buckets(buffers, force_single_bucket_group=False, "
+        f"reduce_scatter_with_fp32_accumulation=False):\n    {body}\n")
+    spec = importlib.util.spec_from_file_location("stand_in", tmp_path / "stand_in.py")
+    stand_in = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stand_in)  # a file, so the patch can read the function's source
+    monkeypatch.setattr(ddp_module, "partition_buckets", stand_in.partition_buckets)
+    bf16 = make_params(random.Random(3), 10)
+    buf_a, _ = build_buffer(megatron_cpu, bf16, dp=2, bucket_size=3000, distopt=True, group=FakeGroup(2))
+    patched = megatron.patch()
+    try:
+        assert f"{ddp_module.__name__}.partition_buckets" in patched
+        if release == "0.17":
+            with pytest.raises(AssertionError, match="distinct param dtypes"):
+                ddp_module.partition_buckets([buf_a, buf_a])
+        else:
+            assert len(ddp_module.partition_buckets([buf_a, buf_a])) == 2 * len(buf_a.buckets)
+    finally:
+        megatron.unpatch()
+
+
+def test_quantized_check_is_the_one_the_buffer_module_calls(monkeypatch):
+    # megatron-core 0.18's group_params_for_buffers calls is_float8tensor by the name its module
+    # (param_and_grad_buffer) imported: a stand-in bound there counts, one bound in fp8_utils alone does not.
+    from megatron.core import fp8_utils
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    if hasattr(pgb, "_param_uses_quantized_storage"):
+        pytest.skip("this megatron-core has one combined check (tested in megatron_newest_buckets.py)")
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)) for _ in range(3)]
+    params[1]._tf_fp8 = True
+
+    def by_dtype():
+        groups = buckets.group_params_for_buffers(params, False)
+        return {key.param_dtype: [next(i for i, q in enumerate(params) if q is p) for p in members]
+                for key, (members, _) in groups.items()}
+
+    def stand_in(tensor):
+        return bool(getattr(tensor, "_tf_fp8", False))
+
+    monkeypatch.setattr(fp8_utils, "is_float8tensor", stand_in)
+    assert by_dtype() == {torch.bfloat16: [0, 1, 2]}
+    monkeypatch.setattr(pgb, "is_float8tensor", stand_in)
+    assert by_dtype() == {torch.bfloat16: [0, 2], torch.uint8: [1]}
+
+
 def test_partition_buckets_of_an_unknown_form_is_left_to_upstream(monkeypatch):
     from megatron.core.distributed import distributed_data_parallel as ddp_module
 
@@ -767,6 +824,18 @@ def test_range_map_of_a_dict_subclass_follows_its_items_order():
     assert range_maps_as_tuples({"param_map": got}) == range_maps_as_tuples({"param_map": want})
 
 
+def test_range_map_of_a_read_only_mapping_equals_upstream():
+    import types
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    a, b = (torch.nn.Parameter(torch.empty(10)) for _ in range(2))
+    index_map = types.MappingProxyType({a: (0, 10, 0), b: (10, 20, 0)})
+    want = DistributedOptimizer._build_model_gbuf_param_range_map(index_map, Range(5, 20), 0)
+    got = buckets.build_model_gbuf_param_range_map(index_map, Range(5, 20), 0)
+    assert range_maps_as_tuples({"param_map": got}) == range_maps_as_tuples({"param_map": want})
+
+
 def test_empty_model():
     layout = buckets.plan_layout(np.zeros(0, dtype=np.int64), data_parallel_world_size=8)
     assert layout.numel == 0 and layout.num_buckets == 0
@@ -962,10 +1031,10 @@ def test_materialize_refuses_a_cuda_device_torch_does_not_have(monkeypatch):
 def test_quantized_storage_test_skipped_only_when_provably_false(monkeypatch):
     """Without Transformer Engine megatron's quantized-storage test is False for every param and the
     drop-ins skip it; a stand-in (monkeypatched, as with TE's classes present) is called per param."""
-    from megatron.core import fp8_utils
+    from megatron.core.distributed import param_and_grad_buffer as pgb
 
     assert buckets._quantized_storage_check(buckets._quantized_predicates()) is None
-    monkeypatch.setattr(fp8_utils, "is_float8tensor", lambda t: getattr(t, "_fp8", False))
+    monkeypatch.setattr(pgb, "is_float8tensor", lambda t: getattr(t, "_fp8", False))
     check = buckets._quantized_storage_check(buckets._quantized_predicates())
     assert check is not None
     param = torch.nn.Parameter(torch.zeros(3))

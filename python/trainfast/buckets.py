@@ -30,7 +30,7 @@ import functools
 import math
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -417,34 +417,31 @@ def partition_bucket_indices(
 
 def _quantized_predicates() -> list:
     """Upstream's "stored as uint8" test: newer megatron-core has one function for it (fp8, nvfp4
-    and grouped quantized tensors); older releases check fp8 and nvfp4 separately."""
-    predicates = []
+    and grouped quantized tensors); older releases check fp8 and nvfp4 separately, calling them by
+    the names ``param_and_grad_buffer`` imported (so a stand-in bound there is what they call)."""
+    import importlib
     import importlib.util
 
     if importlib.util.find_spec("megatron") is None:
-        return predicates
+        return []
+    predicates = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's import-time notices (no TE/Apex, ...)
         try:
             from megatron.core.distributed import param_and_grad_buffer as pgb
-
-            if hasattr(pgb, "_param_uses_quantized_storage"):
-                return [pgb._param_uses_quantized_storage]
         except ImportError:
-            pass
-        try:
-            from megatron.core import fp8_utils
-
-            predicates.append(fp8_utils.is_float8tensor)
-        except ImportError:
-            pass
-        try:
-            from megatron.core import fp4_utils
-
-            if hasattr(fp4_utils, "is_nvfp4tensor"):
-                predicates.append(fp4_utils.is_nvfp4tensor)
-        except ImportError:
-            pass
+            pgb = None
+        if hasattr(pgb, "_param_uses_quantized_storage"):
+            return [pgb._param_uses_quantized_storage]
+        for module_name, name in (("fp8_utils", "is_float8tensor"), ("fp4_utils", "is_nvfp4tensor")):
+            check = getattr(pgb, name, None)
+            if check is None:  # a release whose buffer module does not import it
+                try:
+                    check = getattr(importlib.import_module(f"megatron.core.{module_name}"), name, None)
+                except ImportError:
+                    continue
+            if check is not None:
+                predicates.append(check)
     return predicates
 
 
@@ -809,18 +806,18 @@ def partition_buckets(
     return groups
 
 
-def build_model_gbuf_param_range_map(param_world_index_map: dict, gbuf_world_range: Any, bucket_offset: int) -> dict:
+def build_model_gbuf_param_range_map(param_world_index_map: Mapping, gbuf_world_range: Any, bucket_offset: int) -> dict:
     """``DistributedOptimizer._build_model_gbuf_param_range_map``: ``{param: {"gbuf_world",
     "gbuf_world_in_bucket", "gbuf_local", "param": Range}}`` for params overlapping
     ``gbuf_world_range``, in the map's order (one native pass over the dict)."""
     range_type = _range_type()
-    if not isinstance(param_world_index_map, dict):
+    if not isinstance(param_world_index_map, Mapping):
         raise TypeError(
-            f"param_world_index_map must be a dict (got {type(param_world_index_map).__name__})"
+            f"param_world_index_map must be a mapping (got {type(param_world_index_map).__name__})"
         )
     if type(param_world_index_map) is not dict:
-        # The native pass reads the dict's storage order; upstream reads .items(), which a subclass
-        # may order differently (an OrderedDict after move_to_end).
+        # The native pass reads a dict's storage order; upstream reads .items(), which a subclass or
+        # another mapping may order differently (an OrderedDict after move_to_end).
         param_world_index_map = dict(param_world_index_map.items())
     return _core.buckets_param_range_map(
         param_world_index_map, *_range_bounds(gbuf_world_range, bucket_offset), range_type

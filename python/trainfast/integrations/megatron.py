@@ -59,9 +59,16 @@ def _partition_buckets(original):
 
     names = list(inspect.signature(original).parameters)
     if names == ["buffers", "force_single_bucket_group", "reduce_scatter_with_fp32_accumulation"]:
-        # megatron-core >= 0.18 (the three-argument form): only a second uint8 buffer is refused.
+        # The three-argument form: megatron-core 0.17 still refuses two buffers of one param dtype
+        # (its dtype_to_buffer_map assert); >= 0.18 refuses only a second uint8 buffer.
+        try:
+            distinct = "dtype_to_buffer_map" in inspect.getsource(original)
+        except (OSError, TypeError):
+            return None  # which of the two it is cannot be told: keep upstream
+
         def replacement(buffers, force_single_bucket_group=False, reduce_scatter_with_fp32_accumulation=False):
-            return buckets.partition_buckets(buffers, force_single_bucket_group, reduce_scatter_with_fp32_accumulation)
+            return buckets.partition_buckets(buffers, force_single_bucket_group, reduce_scatter_with_fp32_accumulation,
+                                             require_distinct_param_dtypes=distinct)
 
         return replacement
     if names == ["buffers", "force_single_bucket_group"] and not _source_mentions(
