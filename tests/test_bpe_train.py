@@ -140,6 +140,25 @@ def test_save_rejects_duplicate_tokens(tmp_path):
     assert not (tmp_path / "out" / "vocab.json").exists()
 
 
+def test_save_rejects_an_empty_token_that_load_would_refuse(tmp_path):
+    vocab = {i: bytes([i]) for i in range(256)}
+    with pytest.raises(ValueError, match=r"vocab\[256\] must be non-empty"):
+        save({**vocab, 256: b""}, [], tmp_path / "out")
+    assert not (tmp_path / "out" / "vocab.json").exists()
+
+
+def test_load_names_the_line_of_an_empty_key(tmp_path):
+    # The key '"' is written '"\\""', which ends in '"":' too: the error must point at the empty key.
+    vocab = {i: bytes([i]) for i in range(256)}
+    save(vocab, [], tmp_path / "out")
+    path = tmp_path / "out" / "vocab.json"
+    text = path.read_text(encoding="utf-8").replace("\n}", ',\n  "": 256\n}')
+    path.write_text(text, encoding="utf-8")
+    empty_key_line = text.splitlines().index('  "": 256') + 1
+    with pytest.raises(ValueError, match=rf"vocab.json:{empty_key_line}: empty token"):
+        load(tmp_path / "out")
+
+
 # --- Differential: native == oracle on the shared corpora -------------------------------------
 
 

@@ -56,6 +56,8 @@ def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: st
             raise TypeError(f"vocab must map int to bytes (got {token_id!r}: {token!r})")
         if not 0 <= token_id < 2**31:  # what load_vocab and Tokenizer accept
             raise ValueError(f"vocab ids must be in [0, 2^31) (got {token_id})")
+        if not token:  # load_vocab and Tokenizer refuse it
+            raise ValueError(f"vocab[{token_id}] must be non-empty bytes (got b'')")
         if token in seen:
             raise ValueError(f"vocab maps ids {seen[token]} and {token_id} to the same token {token!r}")
         seen[token] = token_id

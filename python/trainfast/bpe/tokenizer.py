@@ -345,10 +345,12 @@ def _check_merges(merges: Any, token_to_id: dict[bytes, int]) -> list[tuple[byte
 
 def _line_of(text: str, key: str) -> int:
     """1-based line of a key's JSON spelling in text (0 when not found)."""
+    import re
+
     for spelling in (json.dumps(key, ensure_ascii=False), json.dumps(key)):
-        pos = text.find(spelling + ":")
-        if pos < 0:
-            pos = text.find(spelling)
+        # Where a key starts (after "{", "," or blanks), not inside one: the key of '"' ends in '"":'.
+        match = re.search(r"(?:^|(?<=[{,\s]))" + re.escape(spelling) + r"\s*:", text)
+        pos = match.start() if match else text.find(spelling)
         if pos >= 0:
             return text.count("\n", 0, pos) + 1
     return 0
