@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import lzma
 import multiprocessing
 import pickle
@@ -236,10 +237,24 @@ def _dist_worker(rank: int, world_size: int, init_file: str, paths: list[str], o
             return record
 
         dist.send, dist.recv = recording("send", send), recording("recv", recv)
+        # show_progress=False (the default) logs nothing, summary lines included.
+        logger = logging.getLogger("trainfast")
+        records: list = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = records.append
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
         try:
-            counts = distributed.count_words(paths, [EOT], max_message_bytes=5000)
+            try:
+                counts = distributed.count_words(paths, [EOT], max_message_bytes=5000)
+            finally:
+                dist.send, dist.recv = send, recv
+            result["logged_silently"] = [record.getMessage() for record in records]
+            distributed.count_words(paths[:2], [EOT], show_progress=True)
+            result["logged_with_progress"] = [record.getMessage() for record in records]
         finally:
-            dist.send, dist.recv = send, recv
+            logger.removeHandler(handler)
+            logger.setLevel(logging.NOTSET)
         result["message_sizes"] = sizes
         result["counts"] = None if counts is None else counts.to_bytes()
         result["trained"] = distributed.train_bpe(paths, 800, [EOT], max_message_bytes=1 << 20)
@@ -314,6 +329,9 @@ def test_distributed_equals_single_process(parts, tmp_path):
         assert messages[0] == 8 and max(messages[1:]) == 5000 and sum(messages[1:]) > 5000, (r, messages)
     assert len(results[0]["message_sizes"]["recv"]) == sum(len(r["message_sizes"]["send"]) for r in results[1:])
     assert results[1]["counts"] is None and results[2]["counts"] is None
+    for r, result in enumerate(results):
+        assert result["logged_silently"] == [], (r, result["logged_silently"])
+        assert any(f"bpe: rank {r} counted " in line for line in result["logged_with_progress"]), result
     expected = train_bpe([Path(p) for p in paths], 800, [EOT], show_progress=False)
     assert all(result["trained"] == expected for result in results)
     no_specials = train_bpe([Path(p) for p in paths], 300, [], show_progress=False)

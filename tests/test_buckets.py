@@ -525,7 +525,10 @@ def test_partition_buckets_three_argument_forms(megatron_cpu, monkeypatch, tmp_p
 
     from trainfast.integrations import megatron
 
-    body = "dtype_to_buffer_map = {}" if release == "0.17" else "pass"
+    # 0.17's check; a mere mention of the name (a comment) is not one.
+    body = ("dtype_to_buffer_map = {}\n    for buffer in buffers:\n        dtype = buffer.param_dtype\n"
+            "        assert dtype not in dtype_to_buffer_map\n        dtype_to_buffer_map[dtype] = buffer"
+            if release == "0.17" else "# no dtype_to_buffer_map here any more\n    pass")
     (tmp_path / "stand_in.py").write_text(
         "def partition_buckets(buffers, force_single_bucket_group=False, "
         f"reduce_scatter_with_fp32_accumulation=False):\n    {body}\n")

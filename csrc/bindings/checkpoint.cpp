@@ -124,7 +124,7 @@ class ElementSizeCache {
     PyObject* size = PyDict_GetItemWithError(element_sizes_.ptr(), dtype.ptr());
     if (size == nullptr) {
       if (PyErr_Occurred()) clear_input_error();
-      // Upstream's element size raises TypeError too (torch.iinfo of a sub-byte dtype).
+      // Upstream's element size raises TypeError for a sub-byte dtype too (torch.iinfo).
       throw py::type_error(item_name(idx) + " has an unknown dtype (got " +
                             std::string(py::repr(dtype)) + ")");
     }

@@ -107,8 +107,8 @@ def split_by_size_and_type(
         ``bins`` lists of the same item objects; with ``bins == 1``, ``[items]`` as upstream.
 
     Raises:
-        TypeError for an item that is malformed or has a dtype without a whole-byte size (as
-        upstream); UpstreamAssertionError (a ValueError and an AssertionError) for a tensor item
+        TypeError for an item that is malformed or whose dtype has no whole-byte size (upstream
+        raises TypeError for sub-byte dtypes too); UpstreamAssertionError (a ValueError and an AssertionError) for a tensor item
         whose ``tensor_data`` is None; ValueError naming ``items`` for an item over 2^63-1 bytes
         or sizes that sum past it (bin loads are int64; upstream's Python ints would go on).
     """

@@ -92,7 +92,8 @@ def count_words(
         local = _count_words_local([Path(p) for p in my_paths], special_tokens, pattern, num_threads, errors=errors,
                                    show_progress=show_progress) if my_paths else \
             WordCounts(pattern=pattern, special_tokens=special_tokens)
-        _log.info("bpe: rank %d counted %d files: %s words", rank, len(my_paths), f"{len(local):,}")
+        if show_progress:  # show_progress=False silences the summary lines too, as in train_bpe
+            _log.info("bpe: rank %d counted %d files: %s words", rank, len(my_paths), f"{len(local):,}")
     except Exception as caught:  # still report to dst, so no rank waits forever
         error = caught
 

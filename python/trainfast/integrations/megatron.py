@@ -54,15 +54,17 @@ def _source_mentions(function, word: str) -> bool:
 
 def _partition_buckets(original):
     import inspect
+    import re
 
     from trainfast import buckets
 
     names = list(inspect.signature(original).parameters)
     if names == ["buffers", "force_single_bucket_group", "reduce_scatter_with_fp32_accumulation"]:
         # The three-argument form: megatron-core 0.17 still refuses two buffers of one param dtype
-        # (its dtype_to_buffer_map assert); >= 0.18 refuses only a second uint8 buffer.
+        # (`assert dtype not in dtype_to_buffer_map`); >= 0.18 refuses only a second uint8 buffer.
         try:
-            distinct = "dtype_to_buffer_map" in inspect.getsource(original)
+            distinct = re.search(r"^\s*assert\s+\w+\s+not\s+in\s+dtype_to_buffer_map\b", inspect.getsource(original),
+                                 re.MULTILINE) is not None
         except (OSError, TypeError):
             return None  # which of the two it is cannot be told: keep upstream
 
@@ -74,7 +76,7 @@ def _partition_buckets(original):
     if names == ["buffers", "force_single_bucket_group"] and not _source_mentions(
         original, "reduce_scatter_with_fp32_accumulation"
     ):
-        # megatron-core <= 0.17 (the two-argument form): buffers of one param dtype are refused too.
+        # megatron-core <= 0.16 (the two-argument form): buffers of one param dtype are refused too.
         def replacement(buffers, force_single_bucket_group=False):
             return buckets.partition_buckets(buffers, force_single_bucket_group, require_distinct_param_dtypes=True)
 
