@@ -108,9 +108,10 @@ def split_by_size_and_type(
 
     Raises:
         TypeError for an item that is malformed or whose dtype has no whole-byte size (upstream
-        raises TypeError for sub-byte dtypes too); UpstreamAssertionError (a ValueError and an AssertionError) for a tensor item
-        whose ``tensor_data`` is None; ValueError naming ``items`` for an item over 2^63-1 bytes
-        or sizes that sum past it (bin loads are int64; upstream's Python ints would go on).
+        raises TypeError for sub-byte dtypes too); UpstreamAssertionError (a ValueError and an
+        AssertionError) for a tensor item whose ``tensor_data`` is None; ValueError naming
+        ``items`` for an item over 2^63-1 bytes or sizes that sum past it (bin loads are int64;
+        upstream's Python ints would go on).
     """
     bins = check_int(bins, "bins", max_value=INT64_MAX)
     check_choice(sizing, "sizing", _SIZINGS)

@@ -8,8 +8,8 @@ over files or documents on all cores, e.g. to train a BPE tokenizer::
 The named patterns (``"gpt2"``, ``"cl100k"``, ``"o200k"``) run hand-written scanners, as do their
 exact strings, also compiled by ``regex`` with default flags; any other pattern string falls back
 to the ``regex`` package, and any other compiled ``regex``/``re`` pattern runs on its own engine, in
-Python on one thread, which is much slower. A pattern with two or more capturing groups (``findall`` then
-gives tuples) cannot be counted.
+Python on one thread, which is much slower. A pattern with two or more capturing groups
+(``findall`` then gives tuples) cannot be counted.
 """
 
 from __future__ import annotations

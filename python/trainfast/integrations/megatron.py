@@ -63,10 +63,10 @@ def _partition_buckets(original):
         # The three-argument form: megatron-core 0.17 still refuses two buffers of one param dtype
         # (`assert dtype not in dtype_to_buffer_map`); >= 0.18 refuses only a second uint8 buffer.
         try:
-            distinct = re.search(r"^\s*assert\s+\w+\s+not\s+in\s+dtype_to_buffer_map\b", inspect.getsource(original),
-                                 re.MULTILINE) is not None
+            source = inspect.getsource(original)
         except (OSError, TypeError):
             return None  # which of the two it is cannot be told: keep upstream
+        distinct = re.search(r"^\s*assert\s+\w+\s+not\s+in\s+dtype_to_buffer_map\b", source, re.MULTILINE) is not None
 
         def replacement(buffers, force_single_bucket_group=False, reduce_scatter_with_fp32_accumulation=False):
             return buckets.partition_buckets(buffers, force_single_bucket_group, reduce_scatter_with_fp32_accumulation,
