@@ -43,13 +43,14 @@ _DDP = "megatron.core.distributed.distributed_data_parallel"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer"
 
 
-def _source_mentions(function, word: str) -> bool:
+def _source_of(function) -> str | None:
+    """The function's source, or None where it cannot be read (then upstream is kept)."""
     import inspect
 
     try:
-        return word in inspect.getsource(function)
+        return inspect.getsource(function)
     except (OSError, TypeError):
-        return True  # unknown source: assume it differs and keep upstream
+        return None
 
 
 def _partition_buckets(original):
@@ -59,13 +60,12 @@ def _partition_buckets(original):
     from trainfast import buckets
 
     names = list(inspect.signature(original).parameters)
+    source = _source_of(original)
+    if source is None:
+        return None  # which form it is cannot be told: keep upstream
     if names == ["buffers", "force_single_bucket_group", "reduce_scatter_with_fp32_accumulation"]:
         # The three-argument form: megatron-core 0.17 still refuses two buffers of one param dtype
         # (`assert dtype not in dtype_to_buffer_map`); >= 0.18 refuses only a second uint8 buffer.
-        try:
-            source = inspect.getsource(original)
-        except (OSError, TypeError):
-            return None  # which of the two it is cannot be told: keep upstream
         distinct = re.search(r"^\s*assert\s+\w+\s+not\s+in\s+dtype_to_buffer_map\b", source, re.MULTILINE) is not None
 
         def replacement(buffers, force_single_bucket_group=False, reduce_scatter_with_fp32_accumulation=False):
@@ -73,9 +73,7 @@ def _partition_buckets(original):
                                              require_distinct_param_dtypes=distinct)
 
         return replacement
-    if names == ["buffers", "force_single_bucket_group"] and not _source_mentions(
-        original, "reduce_scatter_with_fp32_accumulation"
-    ):
+    if names == ["buffers", "force_single_bucket_group"] and "reduce_scatter_with_fp32_accumulation" not in source:
         # megatron-core <= 0.16 (the two-argument form): buffers of one param dtype are refused too.
         def replacement(buffers, force_single_bucket_group=False):
             return buckets.partition_buckets(buffers, force_single_bucket_group, require_distinct_param_dtypes=True)
