@@ -505,6 +505,25 @@ def test_native_stages_reject_bad_orders(bad, avoid_gpu_duplicates):
     assert int(logcnt.sum()) == 32 and (phy2log >= 0).all()
 
 
+@pytest.mark.parametrize("refine", [False, True])
+def test_bad_replica_order_error_names_the_first_bad_row_for_any_thread_count(refine):
+    # Bad rows in every worker's share, each with its own value; the first bad row's must win.
+    from trainfast import _core
+
+    # Large enough that 4+ threads take part (each thread gets at least 16384 slots of work).
+    weight = np.random.default_rng(0).random((512, 64), dtype=np.float32)
+    loads = weight.reshape(512, 8, 8).sum(-1)
+    groups = np.argsort(-loads, axis=-1, kind="stable").astype(np.int64)
+    replication = _core.eplb_replicate(weight, 128, 8, 2, 8, loads, groups, 1)
+    order = np.argsort(-replication.replica_loads, axis=-1, kind="stable").astype(np.int64)
+    width = order.shape[1]
+    for row in range(40, order.shape[0]):
+        order[row, -1] = width + row
+    for num_threads in (1, 2, 3, 7, 16):
+        with pytest.raises(ValueError, match=rf"replica_order.*\(got {width + 40}\)"):
+            _core.eplb_place(replication, order, refine, False, num_threads)
+
+
 def test_replica_loads_is_a_copy():
     # eplb_place reads these loads without the GIL: writes through a view could race with it.
     from trainfast import _core

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -72,8 +73,13 @@ void run_on_threads(int num_workers, const std::function<void(int)>& worker, Int
     for (int w = 1; w < num_workers; ++w) {
       running.started();
       try {
-        threads.emplace_back([&worker, &running](int index) {
-          worker(index);
+        threads.emplace_back([&worker, &running, &on_error](int index) {
+          // An exception leaving a thread's function would call std::terminate.
+          try {
+            worker(index);
+          } catch (...) {
+            on_error(std::current_exception());
+          }
           running.finished();
         }, w);
       } catch (...) {
@@ -84,7 +90,11 @@ void run_on_threads(int num_workers, const std::function<void(int)>& worker, Int
   } catch (...) {
     on_error(std::current_exception());  // thread creation failed: stop and report
   }
-  worker(0);
+  try {
+    worker(0);
+  } catch (...) {
+    on_error(std::current_exception());
+  }
   try {
     running.wait(interrupt);
   } catch (...) {
@@ -103,25 +113,35 @@ void parallel_for_each(int64_t num_items, int num_threads, const std::function<v
   std::atomic<int64_t> next_item{0};
   std::atomic<bool> failed{false};
   std::exception_ptr first_error;
+  int64_t first_error_item = std::numeric_limits<int64_t>::max();
   std::mutex error_mutex;
-  auto record_error = [&](std::exception_ptr error) {
+  // Keeps the error of the lowest failing item, so the message does not depend on the thread
+  // count: items are claimed in order and a claimed item always runs to its end, so every item
+  // below one that failed has run. Errors of no item (thread start, Ctrl-C) come first.
+  auto record_item_error = [&](std::exception_ptr error, int64_t item) {
     std::lock_guard<std::mutex> lock(error_mutex);
-    if (!first_error) first_error = error;
+    if (!first_error || item < first_error_item) {
+      first_error = error;
+      first_error_item = item;
+    }
     failed.store(true);
   };
+  auto record_error = [&](std::exception_ptr error) { record_item_error(error, -1); };
   auto should_stop = [&] {
     return failed.load(std::memory_order_relaxed) || (interrupt && interrupt->stop_requested());
   };
   auto run_items = [&](int worker) {
+    int64_t item = -1;
     try {
       while (!should_stop()) {
+        item = -1;
         if (worker == 0 && interrupt) interrupt->check();
-        const int64_t item = next_item.fetch_add(1);
+        item = next_item.fetch_add(1);
         if (item >= num_items) break;
         fn(item, worker);
       }
     } catch (...) {
-      record_error(std::current_exception());
+      record_item_error(std::current_exception(), item);
     }
   };
 

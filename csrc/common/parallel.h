@@ -41,20 +41,20 @@ class Interrupt {
 // Runs worker(0) on the calling thread and worker(1 .. num_workers - 1) on threads of their own,
 // and returns once all have ended. While it waits for the others, the calling thread keeps
 // polling `interrupt` (workers only read its stop flag, so a Ctrl-C during another thread's long
-// last item would otherwise wait for that item). Workers must not throw; `on_error` gets what
-// starting a thread or the polling threw (the others are still waited for).
+// last item would otherwise wait for that item). `on_error` gets what starting a thread, the
+// polling or a worker threw (the others are still waited for); it must not throw.
 void run_on_threads(int num_workers, const std::function<void(int)>& worker, Interrupt* interrupt,
                     const std::function<void(std::exception_ptr)>& on_error);
 
 // Runs fn(item, worker) for every item in [0, num_items) on up to num_threads workers (worker 0 is
 // the calling thread, which also polls `interrupt`). Workers claim items in order, so each worker
-// sees its items in increasing order. The first exception thrown by any item is rethrown after all
-// threads have joined.
+// sees its items in increasing order. The exception of the lowest failing item (the same one for
+// any thread count) is rethrown after all threads have joined.
 void parallel_for_each(int64_t num_items, int num_threads, const std::function<void(int64_t, int)>& fn,
                        Interrupt* interrupt = nullptr);
 
 // Runs body(begin, end) over [0, num_items) in blocks of block_size on up to num_threads threads
-// (the calling thread included, which also polls `interrupt`). The first exception thrown by any
+// (the calling thread included, which also polls `interrupt`). The exception of the lowest failing
 // block is rethrown after all threads have joined.
 void parallel_for(int64_t num_items, int64_t block_size, int num_threads,
                   const std::function<void(int64_t, int64_t)>& body, Interrupt* interrupt = nullptr);

@@ -772,8 +772,9 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
   if (!native_order && spg > 1) {
     TF_CHECK_ARG(static_cast<int64_t>(replica_order.size()) == L * N * ppn, "replica_order",
                  static_cast<int64_t>(replica_order.size()), "has the wrong number of elements");
-    // The plain greedy checks each row while packing; the duplicate-avoiding one reads it first.
-    if (options.avoid_gpu_duplicates) check_order(replica_order, L * N, ppn, "replica_order");
+    // Checked here, in row order, rather than by the workers: then the error names the first bad
+    // row's value whatever the thread count.
+    check_order(replica_order, L * N, ppn, "replica_order");
   }
 
   Placement out;
