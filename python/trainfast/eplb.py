@@ -241,8 +241,8 @@ def rebalance_experts(
         refine: swap replicas to lower each node's heaviest GPU after the greedy packing.
         avoid_gpu_duplicates: keep replicas of one expert on distinct GPUs where the greedy can.
         previous_phy2log: `[num_layers, num_replicas]` current placement: the GPUs of each node are
-            relabelled (greedy matching) and each GPU's slots reordered so that experts already
-            there keep their slot; balance is unchanged (see :func:`count_moved`).
+            relabelled (the matching that keeps the most slots) and each GPU's slots reordered so
+            that experts already there keep their slot; balance is unchanged (see :func:`count_moved`).
         num_threads: threads for the layers (default $TRAINFAST_NUM_THREADS or all cores).
 
     Returns:
@@ -469,30 +469,64 @@ def balancedness(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> float
     return float(ratio.mean())
 
 
+def _max_weight_assignment(weight: np.ndarray) -> np.ndarray:
+    """The permutation ``col`` maximising ``sum(weight[i, col[i]])`` for a square int64 matrix
+    (Hungarian method with potentials, shortest augmenting paths, O(n^3)); one row's work is vectorised."""
+    n = weight.shape[0]
+    cost = weight.max(initial=0) - weight  # minimise instead; all entries >= 0
+    row_potential = np.zeros(n + 1, dtype=np.int64)
+    col_potential = np.zeros(n + 1, dtype=np.int64)
+    col_owner = np.zeros(n + 1, dtype=np.int64)  # 1-based row matched to each 1-based column; 0: none
+    prev_col = np.zeros(n + 1, dtype=np.int64)
+    unreachable = np.iinfo(np.int64).max // 4
+    for row in range(1, n + 1):
+        col_owner[0] = row
+        col = 0
+        slack = np.full(n + 1, unreachable, dtype=np.int64)
+        visited = np.zeros(n + 1, dtype=bool)
+        while col_owner[col] != 0:
+            visited[col] = True
+            owner = col_owner[col]
+            reduced = cost[owner - 1] - row_potential[owner] - col_potential[1:]
+            better = ~visited[1:] & (reduced < slack[1:])
+            slack[1:][better] = reduced[better]
+            prev_col[1:][better] = col
+            candidates = np.where(visited[1:], unreachable, slack[1:])
+            next_col = int(np.argmin(candidates)) + 1
+            delta = candidates[next_col - 1]
+            row_potential[col_owner[visited]] += delta
+            col_potential[visited] -= delta
+            slack[~visited] -= delta
+            col = next_col
+        while col != 0:  # flip the augmenting path
+            col_owner[col] = col_owner[prev_col[col]]
+            col = prev_col[col]
+    assignment = np.empty(n, dtype=np.int64)
+    assignment[col_owner[1:] - 1] = np.arange(n)
+    return assignment
+
+
 def _match_gpus(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, gpus_per_node: int) -> np.ndarray:
     """For one layer: a permutation of the GPUs inside each node (new GPU -> GPU index it takes)
-    that greedily maximises the experts already present there. Balance is unchanged: GPUs of one
-    node are interchangeable."""
+    that keeps the most slots: a new and an old GPU share min(new count, old count) slots of each
+    expert. Among the best permutations, the one leaving the most GPUs in place. Balance is
+    unchanged: GPUs of one node are interchangeable."""
     num_gpus = new_gpus.shape[0]
-    new_has = np.zeros((num_gpus, num_logical + 1), dtype=np.float64)
-    old_has = np.zeros((num_gpus, num_logical + 1), dtype=np.float64)
+    new_count = np.zeros((num_gpus, num_logical + 1), dtype=np.int64)
+    old_count = np.zeros((num_gpus, num_logical + 1), dtype=np.int64)
     rows = np.repeat(np.arange(num_gpus), new_gpus.shape[1])
-    new_has[rows, new_gpus.ravel()] = 1.0
+    np.add.at(new_count, (rows, new_gpus.ravel()), 1)
     old_ids = old_gpus.ravel()
     # Ids outside [0, num_logical) (e.g. -1 for an empty slot) go to the spare column, which matches nothing.
-    old_has[rows, np.where((old_ids >= 0) & (old_ids < num_logical), old_ids, num_logical)] = 1.0
-    old_has[:, num_logical] = 0.0
-    overlap = new_has @ old_has.T
-    node = np.arange(num_gpus) // gpus_per_node
-    overlap[node[:, None] != node[None, :]] = -1.0  # never across nodes
-    # Keep GPUs in place unless moving them gains experts: a tiny bonus on the diagonal.
-    overlap[np.arange(num_gpus), np.arange(num_gpus)] += 0.5
+    np.add.at(old_count, (rows, np.where((old_ids >= 0) & (old_ids < num_logical), old_ids, num_logical)), 1)
+    old_count[:, num_logical] = 0
     target = np.empty(num_gpus, dtype=np.int64)
-    for _ in range(num_gpus):
-        new_gpu, old_gpu = np.unravel_index(int(np.argmax(overlap)), overlap.shape)
-        target[new_gpu] = old_gpu
-        overlap[new_gpu, :] = -2.0
-        overlap[:, old_gpu] = -2.0
+    for first in range(0, num_gpus, gpus_per_node):
+        node = slice(first, first + gpus_per_node)
+        shared = np.minimum(new_count[node, None, :], old_count[None, node, :]).sum(-1)
+        # Kept slots first; staying in place (at most gpus_per_node in all) only breaks ties.
+        weight = shared * (gpus_per_node + 1) + np.eye(gpus_per_node, dtype=np.int64)
+        target[node] = first + _max_weight_assignment(weight)
     return target
 
 
