@@ -627,3 +627,23 @@ def test_special_tokens_from_dict_keys_keep_their_order():
     assert ids == Tokenizer(vocab, [], list(specials)).encode("<a><b>") == [257, 256]
     with pytest.raises(TypeError, match="ordered sequence"):
         Tokenizer(vocab, [], set(specials))
+
+
+def test_encode_iterable_keeps_a_special_token_cut_after_its_first_byte():
+    # Found by mutation testing: the streaming cut falls between "!" and " " of the special token.
+    vocab = {b: bytes([b]) for b in range(256)} | {256: b"! "}
+    tok = Tokenizer(vocab, [], ["! "])
+    text = "a" * (1 << 16) + "! world"
+    assert list(tok.encode_iterable([text])) == tok.encode(text) == ReferenceTokenizer(vocab, [], ["! "]).encode(text)
+    assert tok.encode(text)[-8:] == [97, 97, 256, 119, 111, 114, 108, 100]
+
+
+def test_custom_pattern_prefers_the_longest_special_token():
+    # Found by mutation testing: the regex fallback must try longer special tokens first however
+    # they were listed, like the native splitter.
+    vocab = {b: bytes([b]) for b in range(256)} | {256: b"<a>", 257: b"<a><b>"}
+    specials = ["<a>", "<a><b>"]
+    custom = Tokenizer(vocab, [], specials, pattern=r"\S+|\s+")
+    assert custom.encode("x<a><b>y") == [120, 257, 121]
+    assert Tokenizer(vocab, [], specials).encode("x<a><b>y") == [120, 257, 121]
+    assert ReferenceTokenizer(vocab, [], specials, pattern=r"\S+|\s+").encode("x<a><b>y") == [120, 257, 121]

@@ -1085,6 +1085,16 @@ def test_padding_past_2_pow_53_rounds_like_python(seed):
     assert 0 < num_refused < 300
 
 
+def test_padding_rounds_an_inexact_halfway_quotient_up():
+    # Found by mutation testing: the quotient's dropped bits are exactly one half, yet the division
+    # has a remainder, so Python's true division rounds up: 384/128 + 2^-44, whose ceiling is 4.
+    numel, dp = 6173219130243087433, 16076091485008039
+    divisor = math.lcm(dp, 128)
+    assert ref.pad(numel, divisor) == 4 * divisor == 8230958840324115968
+    layout = buckets.plan_layout([numel], data_parallel_world_size=dp)
+    assert layout.bucket_indices.tolist() == [[0, 8230958840324115968]]
+
+
 def test_python_code_that_changes_the_inputs_cannot_crash():
     # __hash__, __index__ or range_type may run Python code that empties the caller's containers.
     params = []

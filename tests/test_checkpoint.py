@@ -291,6 +291,35 @@ def test_refined_large_input_never_heavier_and_deterministic():
     assert torch.equal(checkpoint.assign_bins(is_bytes, sizes, 1024, balance="refined").order, refined.order)
 
 
+def test_refined_keeps_the_byte_aware_plan_on_a_tie():
+    # Found by mutation testing. Both plans' heaviest bin is 42 bytes (the 42-byte tensor alone);
+    # on a tie "refined" keeps the plan packed on top of the byte loads.
+    plan = checkpoint.assign_bins([True] + [False] * 6, [3, 4, 9, 4, 42, 12, 6], 3, balance="refined")
+    assert plan.bin_bytes.tolist() == [18, 42, 20]
+    assert plan.bin_idx.tolist() == [0, 2, 0, 2, 1, 2, 0]
+
+
+def test_refined_search_tries_every_bin_that_could_split_evenly():
+    # Found by mutation testing: stopping the search at a bin that can only tie the best change
+    # found so far ends at [13, 15, 13, 16] (max 16) instead of [16, 15, 15, 11].
+    is_bytes, sizes = [True, True, True, True, False, True, False, True], [5, 8, 8, 8, 3, 4, 10, 11]
+    plan = checkpoint.assign_bins(is_bytes, sizes, 4, balance="refined")
+    assert plan.bin_idx.tolist() == [2, 0, 0, 3, 3, 1, 2, 1]
+    assert plan.bin_bytes.tolist() == [16, 15, 15, 11]
+    assert_no_move_or_swap_lowers_the_heaviest_bin(sizes, plan)
+
+
+def test_refined_single_bin_counts_byte_items():
+    # Found by mutation testing: with one bin, byte sizes still count when refined, not upstream.
+    assert checkpoint.assign_bins([True, False], [100, 50], 1, balance="refined").bin_bytes.tolist() == [150]
+    assert checkpoint.assign_bins([True, False], [100, 50], 1).bin_bytes.tolist() == [50]
+
+
+def test_balance_ratio_of_empty_bins_is_one():
+    assert checkpoint.balance_ratio([0, 0]) == 1.0
+    assert checkpoint.balance_ratio([0, 4]) == 2.0
+
+
 def test_refined_counts_known_byte_sizes():
     from torch.distributed.checkpoint.planner import BytesIOWriteData
 

@@ -250,6 +250,26 @@ def test_vp_stage_none_quirks_match_upstream(mcore):
         tp.get_transformer_layer_offset(config, None, 0)
 
 
+def test_vpp_of_one_counts_the_embedding_as_without_vpp(mcore):
+    # Found by mutation testing: with vpp == 1 every chunk is the first, even for vp_stage None.
+    fields = dict(num_layers=7, pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True)
+    with_vpp = mcore.make_config(virtual_pipeline_model_parallel_size=1, **fields)
+    without = mcore.make_config(**fields)
+    assert tp.get_num_layers_to_build(with_vpp, None, 0) == mcore.num_layers_to_build(with_vpp, None, 0) == 3
+    assert tp.get_num_layers_to_build(without, None, 0) == 3
+
+
+def test_negative_middle_layers_are_floor_divided_in_the_message():
+    # Python's // as upstream: -1 middle layers over 2 stages is -1 per stage, not 0.
+    with pytest.raises(UpstreamAssertionError, match=r"chunk \(pp_rank=1, vp_stage=0\) would build -1 layers$"):
+        tp.plan_layers(8, 4, num_layers_in_first_pipeline_stage=5, num_layers_in_last_pipeline_stage=4)
+
+
+def test_to_layout_str_refuses_a_strided_range():
+    with pytest.raises(ValueError, match="must be a range of consecutive layer ids"):
+        tp.to_layout_str({(0, 0): range(0, 3, 2), (1, 0): range(2, 4)}, 2)
+
+
 def test_pp_rank_from_megatron_parallel_state(mcore):
     config = spec_config(ref.MegatronSpec(8, 4))
     with fake_parallel_state(mcore.parallel_state, 3, None):
