@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import lzma
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,10 @@ def test_tiktoken_prefix_error_names_the_token_tiktoken_matched():
     token, matched = refused[0]
     with pytest.raises(ValueError, match=f"special token '{token}' starts with special token '{matched}',"):
         to_tiktoken(vocab, [], specials)
+
+
+def test_to_tiktoken_without_tiktoken_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # what an absent package looks like to import
+    vocab = {b: bytes([b]) for b in range(256)}
+    with pytest.raises(ImportError, match=r"pip install tiktoken"):
+        to_tiktoken(vocab, [])

@@ -15,6 +15,12 @@ def test_version():
     assert isinstance(trainfast.__version__, str) and trainfast.__version__.count(".") == 2
 
 
+def test_version_matches_pyproject():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == trainfast.__version__
+
+
 def test_stub_declares_every_native_name():
     stub = Path(trainfast.__file__).with_name("_core.pyi")
     declared = {node.name for node in ast.parse(stub.read_text()).body if isinstance(node, ast.FunctionDef)}
@@ -34,8 +40,9 @@ def test_unknown_attribute():
 
 
 def test_cli_help_lists_commands():
-    out = subprocess.run([sys.executable, "-m", "trainfast.cli", "--help"], capture_output=True, text=True, check=True)
-    assert "demo" in out.stdout and "checkpoint" in out.stdout
+    for module in ("trainfast.cli", "trainfast"):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True)
+        assert "demo" in out.stdout and "checkpoint" in out.stdout
 
 
 def test_native_core_uses_no_iostreams():

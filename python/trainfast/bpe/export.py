@@ -196,8 +196,12 @@ def to_tiktoken(
     and, where a special token is a prefix of another, tiktoken's own order of trying them must put
     the longer first (it does not match longest first; checked, ValueError otherwise).
     ``pattern`` is ``"gpt2"`` (tiktoken's published gpt2 regex), ``"cl100k"``, ``"o200k"`` or a regex.
+    Needs the optional ``tiktoken`` package (``pip install trainfast[tiktoken]``).
     """
-    import tiktoken
+    try:
+        import tiktoken
+    except ImportError as error:
+        raise ImportError("to_tiktoken needs the `tiktoken` package (pip install tiktoken)") from error
 
     vocab, merges, special_tokens, token_to_id = _checked(vocab, merges, special_tokens)
     special_ids = {token_to_id[token.encode("utf-8")] for token in special_tokens}

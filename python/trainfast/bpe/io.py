@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def _encode(token: bytes) -> str:
     return "".join(table[b] for b in token)
 
 
-def save(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], out_dir: str | os.PathLike[str]) -> None:
+def save(vocab: dict[int, bytes], merges: Iterable[tuple[bytes, bytes]], out_dir: str | os.PathLike[str]) -> None:
     """Writes ``out_dir/vocab.json`` and ``out_dir/merges.txt`` (each atomically: temp + rename).
 
     ``vocab`` must map distinct ids to distinct bytes; ``merges`` are ``(left, right)`` bytes pairs.

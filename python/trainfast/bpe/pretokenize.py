@@ -240,7 +240,7 @@ def _is_path(value: Any) -> bool:
 
 
 def count_pretokens(
-    inputs: PathLike | Sequence[os.PathLike[str]] | Iterable[str | bytes],
+    inputs: PathLike | Sequence[PathLike] | Iterable[str | bytes],
     *,
     pattern: Any = "gpt2",
     special_tokens: Sequence[str] | None = (),

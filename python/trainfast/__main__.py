@@ -1,0 +1,7 @@
+"""``python -m trainfast``: the ``trainfast`` command line."""
+
+import sys
+
+from trainfast.cli import main
+
+sys.exit(main())
