@@ -433,51 +433,37 @@ def test_previous_phy2log_moves_the_fewest_experts():
 
 
 def test_gpu_matching_is_a_best_assignment():
-    from trainfast.eplb import _max_weight_assignment
+    from trainfast import _core
 
     rng = np.random.default_rng(5)
+    matrices = []
     for _ in range(500):
-        size = int(rng.integers(1, 7))
-        weight = rng.integers(0, int(rng.choice([2, 5, 100])), size=(size, size)).astype(np.int64)
-        assignment = _max_weight_assignment(weight)
-        assert sorted(assignment.tolist()) == list(range(size))
-        best = max(sum(weight[i, order[i]] for i in range(size)) for order in itertools.permutations(range(size)))
-        assert weight[np.arange(size), assignment].sum() == best
+        size = int(rng.integers(0, 7))
+        matrices.append(rng.integers(0, int(rng.choice([1, 2, 5, 100])), size=(size, size)).astype(np.int64))
+    for weight in matrices:
+        (assignment,) = _core.eplb_max_weight_assignment(weight[None], 1).tolist()
+        assert assignment == ref.max_weight_assignment(weight.tolist())  # same ties too
+        best = max((sum(weight[i, order[i]] for i in range(len(weight))) for order in
+                    itertools.permutations(range(len(weight)))), default=0)
+        assert sum(weight[i, assignment[i]] for i in range(len(weight))) == best
+    # Many matrices at once, on any number of threads.
+    batch = rng.integers(0, 50, size=(64, 12, 12)).astype(np.int64)
+    expected = [ref.max_weight_assignment(weight) for weight in batch.tolist()]
+    for num_threads in (1, 2, 5):
+        assert _core.eplb_max_weight_assignment(batch, num_threads).tolist() == expected
 
 
-# Pinned answers of the opt-in modes (no upstream to compare with), each found by mutation testing:
-# the rule named in the comment changes it.
+def test_gpu_matching_rejects_bad_weights():
+    from trainfast import _core
 
-
-def test_avoid_gpu_duplicates_fallback_takes_the_lowest_lightest_gpu():
-    # When every non-full GPU already holds the expert, the lightest one wins, ties to the lowest index.
-    weight = torch.tensor([[4, 2, 4, 2, 2, 8], [4, 3, 2, 3, 0, 8]], dtype=torch.float32)
-    phy2log, _, _ = eplb.rebalance_experts(weight, 10, 1, 1, 2, tie_break="stable", avoid_gpu_duplicates=True)
-    assert phy2log.tolist() == [[5, 5, 2, 4, 0, 5, 0, 1, 3, 2], [3, 5, 2, 0, 1, 5, 5, 0, 1, 4]]
-
-
-def test_avoid_gpu_duplicates_accumulates_gpu_loads_in_float32():
-    # Past 2^24 float32 sums round (2^25 + 3 loads as 2^25 + 4): the greedy compares those sums,
-    # as upstream's float32 tensors do, not exact double ones.
-    weight = torch.tensor([[0, 2, 2**25, 2**25 + 3, 2**25 + 2, 2, 2, 2**25 + 8]], dtype=torch.float32)
-    phy2log, _, _ = eplb.rebalance_experts(weight, 10, 1, 1, 2, tie_break="stable", avoid_gpu_duplicates=True)
-    assert phy2log.tolist() == [[2, 7, 3, 1, 5, 4, 7, 3, 6, 0]]
-
-
-def test_refine_swaps_only_for_a_real_gain():
-    # Loads near 3e10, where float32 steps are 2048: a swap must lower the pair's maximum by more
-    # than a relative 1e-9, or the refinement would trade places for rounding noise.
-    weight = torch.tensor([[3e10, 3e10, 3e10, 3e10, 3e10 + 2, 3], [3e10 + 256, 3e10, 3, 5, 5, 3e10 + 192]])
-    phy2log, _, _ = eplb.rebalance_experts(weight, 8, 1, 1, 2, tie_break="stable", refine=True)
-    assert phy2log.tolist() == [[2, 4, 0, 5, 3, 0, 1, 1], [5, 0, 3, 4, 0, 1, 1, 2]]
-
-
-def test_stable_tie_break_treats_negative_zero_as_zero():
-    weight = torch.tensor([[-0.0, 0.0, 5, 5], [0.0, -0.0, 1, 1]])
-    phy2log, _, _ = eplb.rebalance_experts(weight, 4, 1, 1, 2, tie_break="stable")
-    assert phy2log.tolist() == [[2, 0, 3, 1], [2, 0, 3, 1]]
-    same = eplb.rebalance_experts(weight.abs(), 4, 1, 1, 2, tie_break="stable")[0]
-    assert torch.equal(phy2log, same)
+    with pytest.raises(ValueError, match="weight"):
+        _core.eplb_max_weight_assignment(np.zeros((2, 3, 4), dtype=np.int64), 1)
+    with pytest.raises(ValueError, match=r"weight must be in \[0, 2\^40\) \(got -1\)"):
+        _core.eplb_max_weight_assignment(np.full((1, 2, 2), -1, dtype=np.int64), 1)
+    with pytest.raises(ValueError, match="weight"):
+        _core.eplb_max_weight_assignment(np.full((1, 2, 2), 2**40, dtype=np.int64), 1)
+    with pytest.raises(TypeError):
+        _core.eplb_max_weight_assignment(np.zeros((1, 2, 2), dtype=np.int32), 1)
 
 
 def test_thread_count_does_not_change_result():

@@ -155,6 +155,22 @@ py::tuple replicate_experts(const py::array& weight, int64_t num_phy, int num_th
   throw py::type_error("weight must be float32, float64 or int64 (got " + std::string(py::str(weight.dtype())) + ")");
 }
 
+py::array_t<int64_t> max_weight_assignment(const CArray<int64_t>& weight, int num_threads) {
+  if (weight.ndim() != 3 || weight.shape(1) != weight.shape(2)) {
+    throw py::value_error("weight must have shape [num_matrices, n, n] (got " + std::to_string(weight.ndim()) +
+                          "-D)");
+  }
+  const int64_t num_matrices = weight.shape(0), n = weight.shape(1);
+  eplb::Buffer<int64_t> assignment(num_matrices * n);  // all written
+  const std::vector<int64_t> weight_copy = snapshot(flat(weight, "weight"));
+  Interrupt interrupt = python_interrupt();
+  {
+    py::gil_scoped_release release;
+    eplb::max_weight_assignment(weight_copy, num_matrices, n, assignment, num_threads, &interrupt);
+  }
+  return to_numpy(std::move(assignment), {num_matrices, n});
+}
+
 }  // namespace
 
 void register_eplb(py::module_& m) {
@@ -187,6 +203,10 @@ void register_eplb(py::module_& m) {
   m.def("eplb_balanced_packing", &balanced_packing, py::arg("weight"), py::arg("order").noconvert(),
         py::arg("num_packs"), py::arg("num_threads"),
         "Upstream's balanced_packing with the given descending order. Returns (pack_index, rank_in_pack).");
+  m.def("eplb_max_weight_assignment", &max_weight_assignment, py::arg("weight").noconvert(),
+        py::arg("num_threads"),
+        "For each [n, n] matrix of weight [num_matrices, n, n] (int64, entries in [0, 2^40)), the column "
+        "given to each row that maximises the sum. Returns int64 [num_matrices, n].");
   m.def("eplb_replicate_experts", &replicate_experts, py::arg("weight"), py::arg("num_phy"), py::arg("num_threads"),
         "Upstream's replicate_experts. Returns (phy2log, rank, logcnt).");
 }

@@ -963,4 +963,79 @@ TF_EPLB_INSTANTIATE(double)
 TF_EPLB_INSTANTIATE(int64_t)
 #undef TF_EPLB_INSTANTIATE
 
+namespace {
+
+// One matrix: minimum cost (max - weight) assignment with row and column potentials; rows are
+// added one at a time, each by a Dijkstra search over the columns. Arrays are 1-based, column 0
+// being the row just added.
+void assign_one(const int64_t* weight, int64_t n, int64_t* assignment, Interrupt* interrupt) {
+  constexpr int64_t kUnreachable = std::numeric_limits<int64_t>::max() / 4;
+  const int64_t max_weight = std::max<int64_t>(0, n == 0 ? 0 : *std::max_element(weight, weight + n * n));
+  std::vector<int64_t> row_potential(n + 1, 0), col_potential(n + 1, 0), col_owner(n + 1, 0),
+      prev_col(n + 1, 0), slack(n + 1);
+  std::vector<uint8_t> visited(n + 1);
+  for (int64_t row = 1; row <= n; ++row) {
+    if (interrupt != nullptr) interrupt->check();  // a large matrix takes O(n^2) per row
+    col_owner[0] = row;
+    int64_t col = 0;
+    std::fill(slack.begin(), slack.end(), kUnreachable);
+    std::fill(visited.begin(), visited.end(), 0);
+    while (col_owner[col] != 0) {
+      visited[col] = 1;
+      const int64_t owner = col_owner[col];
+      const int64_t* costs_of_owner = weight + (owner - 1) * n;
+      int64_t delta = kUnreachable, next_col = 0;
+      for (int64_t j = 1; j <= n; ++j) {
+        if (visited[j]) continue;
+        const int64_t reduced = (max_weight - costs_of_owner[j - 1]) - row_potential[owner] - col_potential[j];
+        if (reduced < slack[j]) {
+          slack[j] = reduced;
+          prev_col[j] = col;
+        }
+        if (slack[j] < delta) {
+          delta = slack[j];
+          next_col = j;
+        }
+      }
+      for (int64_t j = 0; j <= n; ++j) {
+        if (visited[j]) {
+          row_potential[col_owner[j]] += delta;
+          col_potential[j] -= delta;
+        } else {
+          slack[j] -= delta;
+        }
+      }
+      col = next_col;
+    }
+    while (col != 0) {  // flip the augmenting path
+      col_owner[col] = col_owner[prev_col[col]];
+      col = prev_col[col];
+    }
+  }
+  for (int64_t j = 1; j <= n; ++j) assignment[col_owner[j] - 1] = j - 1;
+}
+
+}  // namespace
+
+void max_weight_assignment(std::span<const int64_t> weight, int64_t num_matrices, int64_t n,
+                           std::span<int64_t> assignment, int num_threads, Interrupt* interrupt) {
+  TF_CHECK_ARG(num_matrices >= 0, "num_matrices", num_matrices, "must be >= 0");
+  TF_CHECK_ARG(n >= 0 && n <= (int64_t{1} << 20), "n", n, "must be in [0, 2^20]");
+  const std::optional<int64_t> cells = checked_mul(num_matrices, n * n);
+  TF_CHECK_ARG(cells.has_value() && static_cast<int64_t>(weight.size()) == *cells, "weight",
+               static_cast<int64_t>(weight.size()), "must hold num_matrices * n * n entries");
+  TF_CHECK_ARG(static_cast<int64_t>(assignment.size()) == num_matrices * n, "assignment",
+               static_cast<int64_t>(assignment.size()), "must hold num_matrices * n entries");
+  // Bounded so that potentials (at most n times the largest cost) stay far inside int64.
+  for (const int64_t w : weight) {
+    TF_CHECK_ARG(w >= 0 && w < (int64_t{1} << 40), "weight", w, "must be in [0, 2^40)");
+  }
+  const int threads = effective_threads(num_threads, checked_mul(*cells, n).value_or(INT64_MAX));
+  parallel_for(num_matrices, 1, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      assign_one(weight.data() + m * n * n, n, assignment.data() + m * n, interrupt);
+    }
+  }, interrupt);
+}
+
 }  // namespace trainfast::eplb

@@ -106,4 +106,11 @@ void replicate_experts(std::span<const Value> weight, int64_t num_rows, int64_t 
 // Checks that every row of order [num_rows, n] is a permutation of 0..n-1 ("name" for errors).
 void check_order(std::span<const int64_t> order, int64_t num_rows, int64_t n, const char* name);
 
+// For each of num_matrices square [n, n] matrices laid out back to back in `weight`, the
+// permutation assignment[i] (the column given to row i) with the largest sum of weight[i, column]
+// (Hungarian method, shortest augmenting paths, O(n^3) per matrix; minimum-cost ties to the lowest
+// column). Entries must lie in [0, 2^40). The minimal-migration option matches GPUs with it.
+void max_weight_assignment(std::span<const int64_t> weight, int64_t num_matrices, int64_t n,
+                           std::span<int64_t> assignment, int num_threads, Interrupt* interrupt = nullptr);
+
 }  // namespace trainfast::eplb

@@ -284,7 +284,8 @@ def rebalance_experts(
         refine=refine, avoid_gpu_duplicates=avoid_gpu_duplicates, num_threads=num_threads)
     if previous is not None:
         phy2log, log2phy = _keep_previous_slots(previous, phy2log, phyrank, log2phy.shape,
-                                                num_replicas // num_gpus, num_gpus // nodes)
+                                                num_replicas // num_gpus, num_gpus // nodes,
+                                                resolve_num_threads(num_threads))
     return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
 
 
@@ -469,65 +470,42 @@ def balancedness(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> float
     return float(ratio.mean())
 
 
-def _max_weight_assignment(weight: np.ndarray) -> np.ndarray:
-    """The permutation ``col`` maximising ``sum(weight[i, col[i]])`` for a square int64 matrix
-    (Hungarian method with potentials, shortest augmenting paths, O(n^3)); one row's work is vectorised."""
-    n = weight.shape[0]
-    cost = weight.max(initial=0) - weight  # minimise instead; all entries >= 0
-    row_potential = np.zeros(n + 1, dtype=np.int64)
-    col_potential = np.zeros(n + 1, dtype=np.int64)
-    col_owner = np.zeros(n + 1, dtype=np.int64)  # 1-based row matched to each 1-based column; 0: none
-    prev_col = np.zeros(n + 1, dtype=np.int64)
-    unreachable = np.iinfo(np.int64).max // 4
-    for row in range(1, n + 1):
-        col_owner[0] = row
-        col = 0
-        slack = np.full(n + 1, unreachable, dtype=np.int64)
-        visited = np.zeros(n + 1, dtype=bool)
-        while col_owner[col] != 0:
-            visited[col] = True
-            owner = col_owner[col]
-            reduced = cost[owner - 1] - row_potential[owner] - col_potential[1:]
-            better = ~visited[1:] & (reduced < slack[1:])
-            slack[1:][better] = reduced[better]
-            prev_col[1:][better] = col
-            candidates = np.where(visited[1:], unreachable, slack[1:])
-            next_col = int(np.argmin(candidates)) + 1
-            delta = candidates[next_col - 1]
-            row_potential[col_owner[visited]] += delta
-            col_potential[visited] -= delta
-            slack[~visited] -= delta
-            col = next_col
-        while col != 0:  # flip the augmenting path
-            col_owner[col] = col_owner[prev_col[col]]
-            col = prev_col[col]
-    assignment = np.empty(n, dtype=np.int64)
-    assignment[col_owner[1:] - 1] = np.arange(n)
-    return assignment
-
-
-def _match_gpus(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, gpus_per_node: int) -> np.ndarray:
-    """For one layer: a permutation of the GPUs inside each node (new GPU -> GPU index it takes)
+def _gpu_targets(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, gpus_per_node: int,
+                 num_threads: int) -> np.ndarray:
+    """For each layer, a permutation of the GPUs inside each node (new GPU -> GPU index it takes)
     that keeps the most slots: a new and an old GPU share min(new count, old count) slots of each
     expert. Among the best permutations, the one leaving the most GPUs in place. Balance is
-    unchanged: GPUs of one node are interchangeable."""
-    num_gpus = new_gpus.shape[0]
-    new_count = np.zeros((num_gpus, num_logical + 1), dtype=np.int64)
-    old_count = np.zeros((num_gpus, num_logical + 1), dtype=np.int64)
-    rows = np.repeat(np.arange(num_gpus), new_gpus.shape[1])
-    np.add.at(new_count, (rows, new_gpus.ravel()), 1)
-    old_ids = old_gpus.ravel()
-    # Ids outside [0, num_logical) (e.g. -1 for an empty slot) go to the spare column, which matches nothing.
-    np.add.at(old_count, (rows, np.where((old_ids >= 0) & (old_ids < num_logical), old_ids, num_logical)), 1)
-    old_count[:, num_logical] = 0
-    target = np.empty(num_gpus, dtype=np.int64)
-    for first in range(0, num_gpus, gpus_per_node):
-        node = slice(first, first + gpus_per_node)
-        shared = np.minimum(new_count[node, None, :], old_count[None, node, :]).sum(-1)
-        # Kept slots first; staying in place (at most gpus_per_node in all) only breaks ties.
-        weight = shared * (gpus_per_node + 1) + np.eye(gpus_per_node, dtype=np.int64)
-        target[node] = first + _max_weight_assignment(weight)
-    return target
+    unchanged: GPUs of one node are interchangeable.
+
+    ``new_gpus``, ``old_gpus``: int64 `[num_layers, num_gpus, slots_per_gpu]`; returns int64
+    `[num_layers, num_gpus]`."""
+    num_layers, num_gpus, slots_per_gpu = new_gpus.shape
+    num_nodes = num_gpus // gpus_per_node
+    # The k-th replica (from 0) of expert e on a new GPU is kept on an old GPU holding more than k of e.
+    experts = np.sort(new_gpus, axis=-1)
+    position = np.broadcast_to(np.arange(slots_per_gpu), experts.shape)
+    starts = np.where(np.diff(experts, axis=-1, prepend=-2) != 0, position, 0)
+    replica = position - np.maximum.accumulate(starts, axis=-1)
+    rows = np.repeat(np.arange(num_gpus), slots_per_gpu)
+    weight = np.empty((num_layers, num_nodes, gpus_per_node, gpus_per_node), dtype=np.int64)
+    for layer in range(num_layers):
+        old_ids = old_gpus[layer].ravel()
+        old_count = np.zeros((num_gpus, num_logical + 1), dtype=np.int64)
+        # Ids outside [0, num_logical) (e.g. -1 for an empty slot) go to the spare column, which matches nothing.
+        np.add.at(old_count, (rows, np.where((old_ids >= 0) & (old_ids < num_logical), old_ids, num_logical)), 1)
+        old_count[:, num_logical] = 0
+        old_count = old_count.reshape(num_nodes, gpus_per_node, -1)
+        wanted = np.broadcast_to(experts[layer].reshape(num_nodes, 1, -1),
+                                 (num_nodes, gpus_per_node, gpus_per_node * slots_per_gpu))
+        kept = np.take_along_axis(old_count, wanted, axis=-1) > replica[layer].reshape(num_nodes, 1, -1)
+        # kept: [node, old gpu, new gpu * slot]
+        weight[layer] = kept.reshape(num_nodes, gpus_per_node, gpus_per_node, slots_per_gpu).sum(-1).transpose(0, 2, 1)
+    # Kept slots first; staying in place (at most gpus_per_node in all) only breaks ties.
+    weight *= gpus_per_node + 1
+    weight += np.eye(gpus_per_node, dtype=np.int64)
+    within_node = _core.eplb_max_weight_assignment(weight.reshape(-1, gpus_per_node, gpus_per_node), num_threads)
+    first_gpu = (np.arange(num_nodes) * gpus_per_node)[:, None]
+    return (within_node.reshape(num_layers, num_nodes, gpus_per_node) + first_gpu).reshape(num_layers, num_gpus)
 
 
 def _previous_placement(previous_phy2log: Any, shape: tuple[int, int]) -> np.ndarray:
@@ -542,18 +520,21 @@ def _previous_placement(previous_phy2log: Any, shape: tuple[int, int]) -> np.nda
 
 def _keep_previous_slots(previous: np.ndarray, phy2log: np.ndarray, phyrank: np.ndarray,
                          log2phy_shape: tuple[int, ...], slots_per_gpu: int,
-                         gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+                         gpus_per_node: int, num_threads: int) -> tuple[np.ndarray, np.ndarray]:
     """Minimal migration: permutes the GPUs inside each node, then each GPU's slots, so that as many
     experts as possible stay in the slot they had in ``previous`` (the checked ``previous_phy2log``)."""
     num_layers, num_slots = phy2log.shape
     num_gpus = num_slots // slots_per_gpu
     new_phy2log = np.empty_like(phy2log)
     new_rank = np.empty_like(phyrank)
+    targets = _gpu_targets(phy2log.reshape(num_layers, num_gpus, slots_per_gpu),
+                           previous.reshape(num_layers, num_gpus, slots_per_gpu), log2phy_shape[1], gpus_per_node,
+                           num_threads)
     for layer in range(num_layers):
         new_gpus = phy2log[layer].reshape(num_gpus, slots_per_gpu)
         rank_gpus = phyrank[layer].reshape(num_gpus, slots_per_gpu)
         old_gpus = previous[layer].reshape(num_gpus, slots_per_gpu)
-        target = _match_gpus(new_gpus, old_gpus, log2phy_shape[1], gpus_per_node)
+        target = targets[layer]
         for new_gpu in range(num_gpus):
             gpu = int(target[new_gpu])
             entries = list(zip(new_gpus[new_gpu].tolist(), rank_gpus[new_gpu].tolist()))

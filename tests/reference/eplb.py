@@ -165,3 +165,48 @@ def rebalance_experts(
         for slot in range(num_replicas):
             log2phy[layer, phy2log[layer, slot], phyrank[layer, slot]] = slot
     return phy2log, log2phy, logcnt
+
+
+# ------------------------------------------------------------------------------------------------
+# Minimal migration (trainfast's own option): GPU matching by the Hungarian method
+
+
+def max_weight_assignment(weight: list[list[int]]) -> list[int]:
+    """Column of each row maximising the total weight of a square matrix: the Hungarian method with
+    potentials (rows added one by one, each by a shortest augmenting path); among equal reduced costs
+    the lowest column is taken first, as the native code does."""
+    n = len(weight)
+    top = max([0] + [w for row in weight for w in row])
+    cost = [[top - w for w in row] for row in weight]
+    inf = float("inf")
+    u, v = [0] * (n + 1), [0] * (n + 1)  # row / column potentials, 1-based
+    owner, way = [0] * (n + 1), [0] * (n + 1)  # owner[j]: row on column j (0: none)
+    for row in range(1, n + 1):
+        owner[0], col = row, 0
+        slack, visited = [inf] * (n + 1), [False] * (n + 1)
+        while owner[col] != 0:
+            visited[col] = True
+            i = owner[col]
+            delta, next_col = inf, 0
+            for j in range(1, n + 1):
+                if visited[j]:
+                    continue
+                reduced = cost[i - 1][j - 1] - u[i] - v[j]
+                if reduced < slack[j]:
+                    slack[j], way[j] = reduced, col
+                if slack[j] < delta:
+                    delta, next_col = slack[j], j
+            for j in range(n + 1):
+                if visited[j]:
+                    u[owner[j]] += delta
+                    v[j] -= delta
+                else:
+                    slack[j] -= delta
+            col = next_col
+        while col != 0:
+            owner[col] = owner[way[col]]
+            col = way[col]
+    assignment = [0] * n
+    for j in range(1, n + 1):
+        assignment[owner[j] - 1] = j - 1
+    return assignment
