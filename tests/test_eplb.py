@@ -456,7 +456,7 @@ def test_gpu_matching_is_a_best_assignment():
 def test_gpu_matching_rejects_bad_weights():
     from trainfast import _core
 
-    with pytest.raises(ValueError, match="weight"):
+    with pytest.raises(ValueError, match=r"weight must have shape \[num_matrices, n, n\] \(got shape \(2, 3, 4\)\)"):
         _core.eplb_max_weight_assignment(np.zeros((2, 3, 4), dtype=np.int64), 1)
     with pytest.raises(ValueError, match=r"weight must be in \[0, 2\^40\) \(got -1\)"):
         _core.eplb_max_weight_assignment(np.full((1, 2, 2), -1, dtype=np.int64), 1)

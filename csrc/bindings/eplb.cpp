@@ -157,8 +157,8 @@ py::tuple replicate_experts(const py::array& weight, int64_t num_phy, int num_th
 
 py::array_t<int64_t> max_weight_assignment(const CArray<int64_t>& weight, int num_threads) {
   if (weight.ndim() != 3 || weight.shape(1) != weight.shape(2)) {
-    throw py::value_error("weight must have shape [num_matrices, n, n] (got " + std::to_string(weight.ndim()) +
-                          "-D)");
+    throw py::value_error("weight must have shape [num_matrices, n, n] (got shape " +
+                          std::string(py::str(py::tuple(weight.attr("shape")))) + ")");
   }
   const int64_t num_matrices = weight.shape(0), n = weight.shape(1);
   eplb::Buffer<int64_t> assignment(num_matrices * n);  // all written

@@ -497,8 +497,8 @@ def _gpu_targets(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, g
         old_count = old_count.reshape(num_nodes, gpus_per_node, -1)
         wanted = np.broadcast_to(experts[layer].reshape(num_nodes, 1, -1),
                                  (num_nodes, gpus_per_node, gpus_per_node * slots_per_gpu))
+        # [node, old gpu, new gpu * slot]
         kept = np.take_along_axis(old_count, wanted, axis=-1) > replica[layer].reshape(num_nodes, 1, -1)
-        # kept: [node, old gpu, new gpu * slot]
         weight[layer] = kept.reshape(num_nodes, gpus_per_node, gpus_per_node, slots_per_gpu).sum(-1).transpose(0, 2, 1)
     # Kept slots first; staying in place (at most gpus_per_node in all) only breaks ties.
     weight *= gpus_per_node + 1
