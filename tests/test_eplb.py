@@ -466,6 +466,41 @@ def test_gpu_matching_rejects_bad_weights():
         _core.eplb_max_weight_assignment(np.zeros((1, 2, 2), dtype=np.int32), 1)
 
 
+# Pinned answers of the opt-in modes (no upstream to compare with), each found by mutation testing:
+# the rule named in the comment changes it.
+
+
+def test_avoid_gpu_duplicates_fallback_takes_the_lowest_lightest_gpu():
+    # When every non-full GPU already holds the expert, the lightest one wins, ties to the lowest index.
+    weight = torch.tensor([[4, 2, 4, 2, 2, 8], [4, 3, 2, 3, 0, 8]], dtype=torch.float32)
+    phy2log, _, _ = eplb.rebalance_experts(weight, 10, 1, 1, 2, tie_break="stable", avoid_gpu_duplicates=True)
+    assert phy2log.tolist() == [[5, 5, 2, 4, 0, 5, 0, 1, 3, 2], [3, 5, 2, 0, 1, 5, 5, 0, 1, 4]]
+
+
+def test_avoid_gpu_duplicates_accumulates_gpu_loads_in_float32():
+    # Past 2^24 float32 sums round (2^25 + 3 loads as 2^25 + 4): the greedy compares those sums,
+    # as upstream's float32 tensors do, not exact double ones.
+    weight = torch.tensor([[0, 2, 2**25, 2**25 + 3, 2**25 + 2, 2, 2, 2**25 + 8]], dtype=torch.float32)
+    phy2log, _, _ = eplb.rebalance_experts(weight, 10, 1, 1, 2, tie_break="stable", avoid_gpu_duplicates=True)
+    assert phy2log.tolist() == [[2, 7, 3, 1, 5, 4, 7, 3, 6, 0]]
+
+
+def test_refine_swaps_only_for_a_real_gain():
+    # Loads near 3e10, where float32 steps are 2048: a swap must lower the pair's maximum by more
+    # than a relative 1e-9, or the refinement would trade places for rounding noise.
+    weight = torch.tensor([[3e10, 3e10, 3e10, 3e10, 3e10 + 2, 3], [3e10 + 256, 3e10, 3, 5, 5, 3e10 + 192]])
+    phy2log, _, _ = eplb.rebalance_experts(weight, 8, 1, 1, 2, tie_break="stable", refine=True)
+    assert phy2log.tolist() == [[2, 4, 0, 5, 3, 0, 1, 1], [5, 0, 3, 4, 0, 1, 1, 2]]
+
+
+def test_stable_tie_break_treats_negative_zero_as_zero():
+    weight = torch.tensor([[-0.0, 0.0, 5, 5], [0.0, -0.0, 1, 1]])
+    phy2log, _, _ = eplb.rebalance_experts(weight, 4, 1, 1, 2, tie_break="stable")
+    assert phy2log.tolist() == [[2, 0, 3, 1], [2, 0, 3, 1]]
+    same = eplb.rebalance_experts(weight.abs(), 4, 1, 1, 2, tie_break="stable")[0]
+    assert torch.equal(phy2log, same)
+
+
 def test_thread_count_does_not_change_result():
     weight = random_loads(np.random.default_rng(2), "small_ints", (64, 256))
     for mode in ({}, {"tie_break": "stable"}, {"refine": True}):
