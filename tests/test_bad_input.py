@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,10 +118,12 @@ def _beyond_memory(num_bytes: int) -> None:
 _TINY_TOKENIZER = bpe.Tokenizer(_TINY_VOCAB, [(b"a", b"b")])
 
 
-def _file(name: str, data: bytes) -> str:
-    import tempfile
+# The cases are built at import, outside any fixture; one directory removed at exit holds their files.
+_TMP_ROOT = tempfile.TemporaryDirectory(prefix="trainfast-bad-input-")
 
-    path = Path(tempfile.mkdtemp(prefix="trainfast-bad-input-")) / name
+
+def _file(name: str, data: bytes) -> str:
+    path = _dir() / name
     path.write_bytes(data)
     return str(path)
 
@@ -156,9 +159,7 @@ def _plan(num_layers: int = 4, pp: int = 2) -> dict:
 
 
 def _dir() -> Path:
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix="trainfast-bad-input-"))
+    return Path(tempfile.mkdtemp(dir=_TMP_ROOT.name))
 
 def _dir_holding(subdir: str) -> Path:
     """A new temp directory with an empty directory `subdir` in it."""
