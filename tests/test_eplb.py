@@ -648,6 +648,19 @@ def test_bad_replica_order_error_names_the_first_bad_row_for_any_thread_count(re
             _core.eplb_place(replication, order, refine, False, num_threads)
 
 
+def test_bad_group_order_error_names_the_first_bad_layer_for_any_thread_count():
+    from trainfast import _core
+
+    weight = np.random.default_rng(1).random((512, 64), dtype=np.float32)
+    loads = weight.reshape(512, 8, 8).sum(-1)
+    groups = np.argsort(-loads, axis=-1, kind="stable").astype(np.int64)
+    for layer in range(40, groups.shape[0]):
+        groups[layer, 0] = groups[layer, 1] if layer % 2 else 8 + layer
+    for num_threads in (1, 2, 3, 7, 16):
+        with pytest.raises(ValueError, match=r"group_order.*\(got 48\)"):
+            _core.eplb_replicate(weight, 128, 8, 2, 8, loads, groups, num_threads)
+
+
 def test_replica_loads_is_a_copy():
     # eplb_place reads these loads without the GIL: writes through a view could race with it.
     from trainfast import _core

@@ -249,7 +249,6 @@ struct FloatPackScratch {
   std::vector<uint64_t> tree;
   std::vector<int64_t> count;
   std::vector<float> load;
-  std::vector<uint8_t> seen;
 };
 
 // Resets R rows' min-trees of empty packs (leaves padded to a power of two), their pack counts and
@@ -298,14 +297,12 @@ inline std::pair<int64_t, int64_t> add_to_lightest_pack(uint64_t* tree, int64_t 
 // Greedy balanced packing of R rows at once (row r at offset r * n of every array). Each item's
 // step (pick the lightest pack, add the load, replay its root path) depends on the previous item
 // of its row only, so the R rows' chains overlap in the CPU. Rows of `order` must be permutations
-// of 0..n-1: checked on the way (`order_name` names it in the error).
+// of 0..n-1 (the caller checks them: check_order).
 template <int R, bool kNonNegative>
 void pack_rows_float(const float* weight, const int64_t* order, int64_t n, int64_t num_packs,
-                     int64_t* pack_index, int64_t* rank_in_pack, FloatPackScratch& scratch,
-                     const char* order_name) {
+                     int64_t* pack_index, int64_t* rank_in_pack, FloatPackScratch& scratch) {
   const int64_t capacity = n / num_packs;
   const int64_t size = reset_pack_trees<R, kNonNegative>(num_packs, scratch);
-  std::fill(pack_index, pack_index + R * n, int64_t{-1});
   uint64_t* const trees = scratch.tree.data();
   int64_t* const counts = scratch.count.data();
   float* const loads = scratch.load.data();
@@ -313,8 +310,6 @@ void pack_rows_float(const float* weight, const int64_t* order, int64_t n, int64
     for (int r = 0; r < R; ++r) {
       const int64_t item = order[r * n + k];
       int64_t* const row_pack = pack_index + r * n;
-      TF_CHECK_ARG(static_cast<uint64_t>(item) < static_cast<uint64_t>(n) && row_pack[item] < 0, order_name,
-                   item, "must hold a permutation of each row's indices");
       const auto [pack, rank] = add_to_lightest_pack<kNonNegative>(trees + r * 2 * size, size, counts + r * num_packs,
                                                                     loads + r * num_packs, weight[r * n + item], capacity);
       row_pack[item] = pack;
@@ -334,23 +329,19 @@ struct RowSlots {
 };
 
 // place()'s plain greedy on R rows at once (see pack_rows_float; loads >= 0), writing each replica
-// straight into its slot pack * capacity + rank. Rows of `order` must be permutations of 0..n-1.
+// straight into its slot pack * capacity + rank. Rows of `order` must be permutations of 0..n-1
+// (the caller checks them: check_order).
 template <int R>
 void place_rows(const float* loads, const int64_t* order, const int32_t* phy2mlog, const int32_t* phy_rank,
                 int64_t n, int64_t num_packs, const RowSlots* rows, FloatPackScratch& scratch) {
   const int64_t capacity = n / num_packs;
   const int64_t size = reset_pack_trees<R, true>(num_packs, scratch);
-  scratch.seen.assign(R * n, 0);
   uint64_t* const trees = scratch.tree.data();
   int64_t* const counts = scratch.count.data();
   float* const pack_loads = scratch.load.data();
-  uint8_t* const seen = scratch.seen.data();
   for (int64_t k = 0; k < n; ++k) {
     for (int r = 0; r < R; ++r) {
       const int64_t item = order[r * n + k];
-      TF_CHECK_ARG(static_cast<uint64_t>(item) < static_cast<uint64_t>(n) && seen[r * n + item] == 0,
-                   "replica_order", item, "must hold a permutation of each row's indices");
-      seen[r * n + item] = 1;
       const auto [pack, rank] = add_to_lightest_pack<true>(trees + r * 2 * size, size, counts + r * num_packs,
                                                             pack_loads + r * num_packs, loads[r * n + item], capacity);
       const int64_t slot = pack * capacity + rank;
@@ -661,6 +652,8 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
                  "must have num_layers * num_groups elements");
     TF_CHECK_ARG(groups_per_node == 1 || static_cast<int64_t>(group_order.size()) == L * G, "group_order",
                  group_order.size(), "must have num_layers * num_groups elements");
+    // Checked up front, once, so the packers need not check each item.
+    if (groups_per_node > 1) check_order(group_order, L, G, "group_order");
   }
 
   const int64_t group_size = shape.group_size(), epn = shape.logical_per_node(),
@@ -704,8 +697,7 @@ Replication replicate(std::span<const float> weight, const Shape& shape,
           group_load = group_loads.data() + layer * G;
           group_desc = group_order.data() + layer * G;
         }
-        pack_rows_float<1, false>(group_load, group_desc, G, N, group_node.data(), group_rank.data(), pack_scratch,
-                                  "group_order");
+        pack_rows_float<1, false>(group_load, group_desc, G, N, group_node.data(), group_rank.data(), pack_scratch);
       }
       int32_t* log2mlog = out.log2mlog.data() + layer * E;
       int32_t* mlog2log = out.mlog2log.data() + layer * E;
@@ -845,7 +837,7 @@ Placement place(const Replication& rep, std::span<const int64_t> replica_order,
                               gpu.data() + b * ppn, rank.data() + b * ppn, holds);
           } else {
             pack_rows_float<1, true>(replica_loads + b * ppn, desc + b * ppn, ppn, gpn, gpu.data() + b * ppn,
-                                     rank.data() + b * ppn, scratch, "replica_order");
+                                     rank.data() + b * ppn, scratch);
           }
           if (options.refine) {
             refine_row(replica_loads + b * ppn, phy2mlogs + b * ppn, ppn, gpn, gpu.data() + b * ppn,
@@ -898,8 +890,7 @@ void balanced_packing(std::span<const Value> weight, int64_t num_rows, int64_t n
       for (int64_t row = begin; row < end; ++row) {
         if (interrupt != nullptr) interrupt->check();  // a block is a quarter of a thread's rows
         pack_rows_float<1, false>(weight.data() + row * num_items, order.data() + row * num_items, num_items, num_packs,
-                           pack_index.data() + row * num_items, rank_in_pack.data() + row * num_items, scratch,
-                           "order");
+                           pack_index.data() + row * num_items, rank_in_pack.data() + row * num_items, scratch);
       }
     } else {
       PackHeap<AccOf<Value>> heap;
