@@ -432,6 +432,24 @@ def test_previous_phy2log_moves_the_fewest_experts():
         check_invariants(weight, minimal, num_replicas, num_nodes, num_nodes, num_gpus, True)
 
 
+def test_slot_order_equals_the_plain_loop():
+    # Each GPU's slots ordered as the oracle's loop does it: entries of one expert take that expert's
+    # previous slots in order; repeated experts, empty (-1) and out-of-range previous ids included.
+    rng = np.random.default_rng(8)
+    for _ in range(300):
+        num_layers, num_gpus = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        slots_per_gpu, num_logical = int(rng.integers(1, 7)), int(rng.integers(1, 6))
+        shape = (num_layers, num_gpus * slots_per_gpu)
+        phy2log = rng.integers(0, num_logical, size=shape)
+        phyrank = rng.integers(0, 4, size=shape)
+        previous = rng.integers(-2, num_logical + 2, size=shape)
+        targets = np.stack([rng.permutation(num_gpus) for _ in range(num_layers)])
+        got = eplb._order_slots(previous, phy2log, phyrank, targets, slots_per_gpu, num_logical)
+        expected = ref.order_slots(previous.tolist(), phy2log.tolist(), phyrank.tolist(), targets.tolist(),
+                                   slots_per_gpu)
+        assert [got[0].tolist(), got[1].tolist()] == list(expected)
+
+
 def test_gpu_matching_is_a_best_assignment():
     from trainfast import _core
 

@@ -518,6 +518,63 @@ def _previous_placement(previous_phy2log: Any, shape: tuple[int, int]) -> np.nda
     return previous.cpu().to(torch.int64).numpy()
 
 
+def _occurrence(values: np.ndarray) -> np.ndarray:
+    """For each element of each row of ``values`` `[rows, n]`, how many equal elements precede it in
+    its row (int64, same shape)."""
+    order = np.argsort(values, axis=-1, kind="stable")
+    ordered = np.take_along_axis(values, order, axis=-1)
+    position = np.broadcast_to(np.arange(values.shape[-1]), values.shape)
+    new_run = np.ones(values.shape, dtype=bool)
+    new_run[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    run_start = np.maximum.accumulate(np.where(new_run, position, 0), axis=-1)
+    occurrence = np.empty(values.shape, dtype=np.int64)
+    np.put_along_axis(occurrence, order, position - run_start, axis=-1)
+    return occurrence
+
+
+def _order_slots(previous: np.ndarray, phy2log: np.ndarray, phyrank: np.ndarray, targets: np.ndarray,
+                 slots_per_gpu: int, num_logical: int) -> tuple[np.ndarray, np.ndarray]:
+    """Moves each new GPU's slots to the GPU ``targets`` names and orders them there: in slot order,
+    each (expert, rank) entry takes the first slot still free whose ``previous`` expert is its own;
+    the other entries fill the free slots in order. ``previous``, ``phy2log``, ``phyrank``: int64
+    `[num_layers, num_slots]`; ``targets``: int64 `[num_layers, num_gpus]`. Returns the new
+    ``(phy2log, phyrank)``, same shapes."""
+    num_layers, num_slots = phy2log.shape
+    num_gpus = num_slots // slots_per_gpu
+    rows = num_layers * num_gpus
+    layer = np.arange(num_layers)[:, None]
+    new = np.empty((num_layers, num_gpus, slots_per_gpu), dtype=np.int64)
+    rank = np.empty_like(new)
+    new[layer, targets] = phy2log.reshape(num_layers, num_gpus, slots_per_gpu)
+    rank[layer, targets] = phyrank.reshape(num_layers, num_gpus, slots_per_gpu)
+    new, rank, old = new.reshape(rows, -1), rank.reshape(rows, -1), previous.reshape(rows, -1)
+    # The j-th entry of expert e on a GPU takes the slot of the j-th previous e there, if any: one
+    # key per (GPU, expert, occurrence), unique on each side.
+    def keys(experts: np.ndarray, occurrence: np.ndarray) -> np.ndarray:
+        return ((np.arange(rows)[:, None] * num_logical + experts) * slots_per_gpu + occurrence).ravel()
+
+    valid = (old >= 0) & (old < num_logical)  # other ids (-1: an empty slot) match nothing
+    old_keys = keys(np.where(valid, old, 0), _occurrence(old))[valid.ravel()]
+    old_slots = np.flatnonzero(valid)
+    by_key = np.argsort(old_keys)
+    old_keys, old_slots = old_keys[by_key], old_slots[by_key]
+    new_keys = keys(new, _occurrence(new))
+    found_at = np.minimum(np.searchsorted(old_keys, new_keys), max(len(old_keys) - 1, 0))
+    kept = old_keys[found_at] == new_keys if len(old_keys) else np.zeros(new_keys.shape, dtype=bool)
+    slot = np.empty(new_keys.shape, dtype=np.int64)
+    slot[kept] = old_slots[found_at[kept]]
+    taken = np.zeros(new_keys.shape, dtype=bool)
+    taken[slot[kept]] = True
+    # Every GPU has as many free slots as entries left, so in flat order each entry left meets a
+    # free slot of its own GPU.
+    slot[~kept] = np.flatnonzero(~taken)
+    out_phy2log = np.empty(rows * slots_per_gpu, dtype=np.int64)
+    out_rank = np.empty_like(out_phy2log)
+    out_phy2log[slot] = new.ravel()
+    out_rank[slot] = rank.ravel()
+    return out_phy2log.reshape(num_layers, num_slots), out_rank.reshape(num_layers, num_slots)
+
+
 def _keep_previous_slots(previous: np.ndarray, phy2log: np.ndarray, phyrank: np.ndarray,
                          log2phy_shape: tuple[int, ...], slots_per_gpu: int,
                          gpus_per_node: int, num_threads: int) -> tuple[np.ndarray, np.ndarray]:
@@ -525,36 +582,10 @@ def _keep_previous_slots(previous: np.ndarray, phy2log: np.ndarray, phyrank: np.
     experts as possible stay in the slot they had in ``previous`` (the checked ``previous_phy2log``)."""
     num_layers, num_slots = phy2log.shape
     num_gpus = num_slots // slots_per_gpu
-    new_phy2log = np.empty_like(phy2log)
-    new_rank = np.empty_like(phyrank)
     targets = _gpu_targets(phy2log.reshape(num_layers, num_gpus, slots_per_gpu),
                            previous.reshape(num_layers, num_gpus, slots_per_gpu), log2phy_shape[1], gpus_per_node,
                            num_threads)
-    for layer in range(num_layers):
-        new_gpus = phy2log[layer].reshape(num_gpus, slots_per_gpu)
-        rank_gpus = phyrank[layer].reshape(num_gpus, slots_per_gpu)
-        old_gpus = previous[layer].reshape(num_gpus, slots_per_gpu)
-        target = targets[layer]
-        for new_gpu in range(num_gpus):
-            gpu = int(target[new_gpu])
-            entries = list(zip(new_gpus[new_gpu].tolist(), rank_gpus[new_gpu].tolist()))
-            old = old_gpus[gpu].tolist()
-            placed: list[tuple[int, int] | None] = [None] * slots_per_gpu
-            remaining = []
-            for entry in entries:  # an expert keeps a slot it held before on this GPU
-                for k, old_expert in enumerate(old):
-                    if placed[k] is None and old_expert == entry[0]:
-                        placed[k] = entry
-                        break
-                else:
-                    remaining.append(entry)
-            free = (k for k in range(slots_per_gpu) if placed[k] is None)
-            for entry, k in zip(remaining, free):
-                placed[k] = entry
-            start = gpu * slots_per_gpu
-            for k, (expert, rank) in enumerate(placed):
-                new_phy2log[layer, start + k] = expert
-                new_rank[layer, start + k] = rank
+    new_phy2log, new_rank = _order_slots(previous, phy2log, phyrank, targets, slots_per_gpu, log2phy_shape[1])
     log2phy = np.full(log2phy_shape, -1, dtype=np.int64)
     layers = np.repeat(np.arange(num_layers), num_slots)
     log2phy[layers, new_phy2log.ravel(), new_rank.ravel()] = np.tile(np.arange(num_slots), num_layers)

@@ -210,3 +210,33 @@ def max_weight_assignment(weight: list[list[int]]) -> list[int]:
     for j in range(1, n + 1):
         assignment[owner[j] - 1] = j - 1
     return assignment
+
+
+def order_slots(previous: list[list[int]], phy2log: list[list[int]], phyrank: list[list[int]],
+                targets: list[list[int]], slots_per_gpu: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Minimal migration's slot order: new GPU g's (expert, rank) entries go to GPU targets[layer][g];
+    there, in slot order, each entry takes the first free slot whose previous expert is its own, and
+    the entries left fill the free slots in order."""
+    out_phy2log = [[0] * len(row) for row in phy2log]
+    out_rank = [[0] * len(row) for row in phy2log]
+    for layer, target in enumerate(targets):
+        for new_gpu, gpu in enumerate(target):
+            new = range(new_gpu * slots_per_gpu, (new_gpu + 1) * slots_per_gpu)
+            entries = [(phy2log[layer][k], phyrank[layer][k]) for k in new]
+            old = previous[layer][gpu * slots_per_gpu:(gpu + 1) * slots_per_gpu]
+            placed: list[tuple[int, int] | None] = [None] * slots_per_gpu
+            left = []
+            for entry in entries:
+                for k, old_expert in enumerate(old):
+                    if placed[k] is None and old_expert == entry[0]:
+                        placed[k] = entry
+                        break
+                else:
+                    left.append(entry)
+            free = [k for k in range(slots_per_gpu) if placed[k] is None]
+            for entry, k in zip(left, free):
+                placed[k] = entry
+            for k, (expert, rank) in enumerate(placed):
+                out_phy2log[layer][gpu * slots_per_gpu + k] = expert
+                out_rank[layer][gpu * slots_per_gpu + k] = rank
+    return out_phy2log, out_rank
