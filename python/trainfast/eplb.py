@@ -481,25 +481,31 @@ def _gpu_targets(new_gpus: np.ndarray, old_gpus: np.ndarray, num_logical: int, g
     `[num_layers, num_gpus]`."""
     num_layers, num_gpus, slots_per_gpu = new_gpus.shape
     num_nodes = num_gpus // gpus_per_node
-    # The k-th replica (from 0) of expert e on a new GPU is kept on an old GPU holding more than k of e.
-    experts = np.sort(new_gpus, axis=-1)
-    position = np.broadcast_to(np.arange(slots_per_gpu), experts.shape)
-    starts = np.where(np.diff(experts, axis=-1, prepend=-2) != 0, position, 0)
-    replica = position - np.maximum.accumulate(starts, axis=-1)
-    rows = np.repeat(np.arange(num_gpus), slots_per_gpu)
-    weight = np.empty((num_layers, num_nodes, gpus_per_node, gpus_per_node), dtype=np.int64)
-    for layer in range(num_layers):
-        old_ids = old_gpus[layer].ravel()
-        old_count = np.zeros((num_gpus, num_logical + 1), dtype=np.int64)
-        # Ids outside [0, num_logical) (e.g. -1 for an empty slot) go to the spare column, which matches nothing.
-        np.add.at(old_count, (rows, np.where((old_ids >= 0) & (old_ids < num_logical), old_ids, num_logical)), 1)
-        old_count[:, num_logical] = 0
-        old_count = old_count.reshape(num_nodes, gpus_per_node, -1)
-        wanted = np.broadcast_to(experts[layer].reshape(num_nodes, 1, -1),
-                                 (num_nodes, gpus_per_node, gpus_per_node * slots_per_gpu))
-        # [node, old gpu, new gpu * slot]
-        kept = np.take_along_axis(old_count, wanted, axis=-1) > replica[layer].reshape(num_nodes, 1, -1)
-        weight[layer] = kept.reshape(num_nodes, gpus_per_node, gpus_per_node, slots_per_gpu).sum(-1).transpose(0, 2, 1)
+    # A new GPU keeps the j-th replica of expert e on an old GPU of its node holding a j-th e: count
+    # the pairs of slots with equal (layer, node, expert, occurrence) keys, one new and one old.
+    node_of = np.repeat(np.arange(num_gpus) // gpus_per_node, slots_per_gpu)
+    row_node = (np.arange(num_layers)[:, None] * num_nodes + node_of).reshape(-1, num_gpus, slots_per_gpu)
+
+    def keys(experts: np.ndarray, occurrence: np.ndarray) -> np.ndarray:
+        return ((row_node * num_logical + experts) * slots_per_gpu + occurrence).ravel()
+
+    flat = (num_layers * num_gpus, slots_per_gpu)
+    valid = (old_gpus >= 0) & (old_gpus < num_logical)  # other ids (-1: an empty slot) match nothing
+    old_keys = keys(np.where(valid, old_gpus, 0),
+                    _occurrence(old_gpus.reshape(flat)).reshape(old_gpus.shape))[valid.ravel()]
+    old_gpu = np.broadcast_to(np.arange(num_gpus)[:, None], old_gpus.shape).ravel()[valid.ravel()]
+    by_key = np.argsort(old_keys, kind="stable")
+    old_keys, old_gpu = old_keys[by_key], old_gpu[by_key]
+    new_keys = keys(new_gpus, _occurrence(new_gpus.reshape(flat)).reshape(new_gpus.shape))
+    first = np.searchsorted(old_keys, new_keys, side="left")
+    matches = np.searchsorted(old_keys, new_keys, side="right") - first
+    # One (new slot, old slot) pair per match: its cell (layer, new GPU, old GPU in the node).
+    new_cell = np.arange(new_keys.size) // slots_per_gpu  # layer * num_gpus + new GPU
+    pair_new = np.repeat(new_cell, matches)
+    pair_old = old_gpu[np.repeat(first - np.cumsum(matches) + matches, matches) + np.arange(matches.sum())]
+    cell = pair_new * gpus_per_node + pair_old % gpus_per_node
+    weight = np.bincount(cell, minlength=num_layers * num_gpus * gpus_per_node).astype(np.int64)
+    weight = weight.reshape(num_layers, num_nodes, gpus_per_node, gpus_per_node)
     # Kept slots first; staying in place (at most gpus_per_node in all) only breaks ties.
     weight *= gpus_per_node + 1
     weight += np.eye(gpus_per_node, dtype=np.int64)
