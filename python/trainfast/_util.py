@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "UpstreamAssertionError",
     "write_atomic",
+    "write_atomic_files",
     "as_array",
     "check_choice",
     "check_int",
@@ -322,26 +323,42 @@ def write_atomic(path: Any, data: bytes | str | Callable[[Any], None]) -> None:
     """Writes ``data`` to ``path`` through a temp file in the same directory and a rename, so readers
     never see a half-written file (str is written as UTF-8 with "\n" newlines; a callable is given
     the open binary file to write into, for data too large to copy into bytes first)."""
+    write_atomic_files([(path, data)])
+
+
+def write_atomic_files(files: Sequence[tuple[Any, bytes | str | Callable[[Any], None]]]) -> None:
+    """:func:`write_atomic` for files that belong together: every temp file is written before any is
+    renamed, and a target that is a directory is refused first, so a failed write (disk full, a bad
+    path, Ctrl-C) replaces none of them."""
     import tempfile
     from pathlib import Path
 
-    path = Path(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    try:  # the mode a plain open() would give (mkstemp's is 0600): a replaced file's, else 0666 - umask
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        mode = 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    targets = [Path(path) for path, _ in files]
+    for target in targets:
+        if target.is_dir():
+            raise IsADirectoryError(f"cannot write {str(target)!r}: it is a directory")
+    temps: list[str] = []
     try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            if callable(payload):
-                payload(f)
-            else:
-                f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for target, (_, data) in zip(targets, files):
+            payload = data.encode("utf-8") if isinstance(data, str) else data
+            try:  # the mode a plain open() would give (mkstemp's is 0600): a replaced file's, else 0666 - umask
+                mode = stat.S_IMODE(os.stat(target).st_mode)
+            except OSError:
+                mode = 0o666 & ~_umask()
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            temps.append(tmp)
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "wb") as f:
+                if callable(payload):
+                    payload(f)
+                else:
+                    f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+        for target, tmp in zip(targets, temps):
+            os.replace(tmp, target)
     except BaseException:
-        os.unlink(tmp)
+        for tmp in temps:
+            if os.path.exists(tmp):  # not renamed yet
+                os.unlink(tmp)
         raise

@@ -13,7 +13,9 @@ from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
-from trainfast._util import write_atomic
+import numpy as np
+
+from trainfast._util import write_atomic_files
 
 __all__ = ["bytes_to_unicode", "load", "save"]
 
@@ -45,42 +47,53 @@ def _encode(token: bytes) -> str:
 
 
 def save(vocab: dict[int, bytes], merges: Iterable[tuple[bytes, bytes]], out_dir: str | os.PathLike[str]) -> None:
-    """Writes ``out_dir/vocab.json`` and ``out_dir/merges.txt`` (each atomically: temp + rename).
+    """Writes ``out_dir/vocab.json`` and ``out_dir/merges.txt`` (atomically: both temp files are
+    written before either is renamed into place).
 
     ``vocab`` must map distinct ids to distinct bytes; ``merges`` are ``(left, right)`` bytes pairs.
     """
     if not isinstance(vocab, dict):
         raise TypeError(f"vocab must be a dict[int, bytes] (got {type(vocab).__name__})")
     seen: dict[bytes, int] = {}
+    checked: dict[int, bytes] = {}
     for token_id, token in vocab.items():
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not isinstance(token, bytes):
+        # What Tokenizer accepts (NumPy ids, bytearray tokens) is written too.
+        if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)) or \
+                not isinstance(token, (bytes, bytearray)):
             raise TypeError(f"vocab must map int to bytes (got {token_id!r}: {token!r})")
+        token_id, token = int(token_id), bytes(token)
         if not 0 <= token_id < 2**31:  # what load_vocab and Tokenizer accept
             raise ValueError(f"vocab ids must be in [0, 2^31) (got {token_id})")
         if not token:  # load_vocab and Tokenizer refuse it
             raise ValueError(f"vocab[{token_id}] must be non-empty bytes (got b'')")
         if token in seen:
-            raise ValueError(f"vocab maps ids {seen[token]} and {token_id} to the same token {token!r}")
+            raise ValueError(f"vocab maps ids {seen[token]} and {token_id} to the same token {token!r}, which "
+                             f"vocab.json (token -> id) cannot hold; train_bpe makes such a vocab from a "
+                             f"one-byte special token")
         seen[token] = token_id
+        checked[token_id] = token
     if isinstance(merges, (str, bytes, dict)) or not hasattr(merges, "__iter__"):
         raise TypeError(f"merges must be a list of (bytes, bytes) (got {type(merges).__name__})")
     lines = []
     for idx, merge in enumerate(merges):
-        if not (isinstance(merge, tuple) and len(merge) == 2 and all(isinstance(x, bytes) and x for x in merge)):
-            raise TypeError(f"merges[{idx}] must be a tuple of two non-empty bytes (got {merge!r})")
+        if not (isinstance(merge, (tuple, list)) and len(merge) == 2
+                and all(isinstance(x, (bytes, bytearray)) and x for x in merge)):
+            raise TypeError(f"merges[{idx}] must be a pair of non-empty bytes (got {merge!r})")
+        left, right = bytes(merge[0]), bytes(merge[1])
         # Same rule as Tokenizer and the exporters: a file they would reject is never written.
-        for what, token in (("left", merge[0]), ("right", merge[1]), ("merged", merge[0] + merge[1])):
+        for what, token in (("left", left), ("right", right), ("merged", left + right)):
             if token not in seen:
-                raise ValueError(f"merges[{idx}] = ({merge[0]!r}, {merge[1]!r}) refers to an unknown token: "
+                raise ValueError(f"merges[{idx}] = ({left!r}, {right!r}) refers to an unknown token: "
                                  f"its {what} token {token!r} is not in vocab")
-        lines.append(f"{_encode(merge[0])} {_encode(merge[1])}\n")
+        lines.append(f"{_encode(left)} {_encode(right)}\n")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"out_dir {str(out)!r} is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    vocab_json = {_encode(token): token_id for token_id, token in sorted(vocab.items())}
-    write_atomic(out / VOCAB_FILE, json.dumps(vocab_json, ensure_ascii=False, indent=2) + "\n")
-    write_atomic(out / MERGES_FILE, "".join(lines))
+    vocab_json = {_encode(token): token_id for token_id, token in sorted(checked.items())}
+    # Both files or neither: a vocab.json next to another vocab's merges.txt would load as garbage.
+    write_atomic_files([(out / VOCAB_FILE, json.dumps(vocab_json, ensure_ascii=False, indent=2) + "\n"),
+                        (out / MERGES_FILE, "".join(lines))])
 
 
 def load(out_dir: str | os.PathLike[str]) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:

@@ -122,6 +122,11 @@ def _train(word_counts: Any, vocab_size: int, special_tokens: list[str], show_pr
     from trainfast import _core
 
     num_merges = min(vocab_size - 256 - len(special_tokens), 2**62)  # stops far earlier: no pair left
+    for token in special_tokens:
+        if len(token.encode("utf-8", "surrogatepass")) == 1:  # kept: CS336 makes the same vocab
+            _log.warning("bpe: special token %r is one byte, so the vocab holds it twice (as byte token %d and "
+                         "as a special token); Tokenizer takes such a vocab, but save() and the exporters, whose "
+                         "files map each token to one id, refuse it", token, ord(token))
     start = time.perf_counter()
     with Progress(enabled=show_progress, total=num_merges, desc="bpe", unit=" merges", logger=_log,
                   leave=False) as progress:

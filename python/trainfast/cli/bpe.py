@@ -67,6 +67,9 @@ def _train_command(args: argparse.Namespace) -> int:
     from trainfast.bpe import save, train_bpe
 
     check_output_dir("--out", args.out)  # before the work, not at the save after it
+    for name in ("vocab.json", "merges.txt"):
+        if (Path(args.out) / name).is_dir():
+            raise IsADirectoryError(f"--out {args.out!r}: {name} in it is a directory")
     check_special_tokens_fit_vocab_json(args.special_tokens)
     start = time.perf_counter()
     # --pattern defaults to None so that --from-counts can tell an explicit gpt2 from none given.
