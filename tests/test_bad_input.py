@@ -436,6 +436,19 @@ CASES += [
     Case("bpe.save", "negative", lambda: bpe.save({-1: b"a"}, [], _dir() / "tok"), ValueError, "vocab ids"),
     Case("bpe.save", "int64 overflow", lambda: bpe.save({2**70: b"a"}, [], _dir() / "tok"), ValueError, "vocab ids"),
     Case("bpe.save", "malformed object", lambda: bpe.save(_TINY_VOCAB, [(b"a",)], _dir() / "tok"), TypeError, r"merges\[0\]"),
+    Case("bpe.save", "wrong value", lambda: bpe.save({0: b"a", 1: b"a"}, [], _dir() / "tok"), ValueError, "cannot hold"),
+    Case("bpe.save", "missing/unreadable file", lambda: bpe.save(_TINY_VOCAB, [], _dir_holding("merges.txt")), IsADirectoryError, r"merges\.txt'?: it is a directory"),
+    Case("buckets.plan_layout", "wrong type", lambda: buckets.plan_layout([5, 7], use_distributed_optimizer="no"), TypeError, "use_distributed_optimizer must be a bool"),
+    Case("buckets.plan_layout", "wrong type", lambda: buckets.plan_layout([5, 7], pad_buckets_for_high_nccl_busbw=1), TypeError, "pad_buckets_for_high_nccl_busbw must be a bool"),
+    Case("buckets.partition_bucket_indices", "wrong type", lambda: buckets.partition_bucket_indices([False], [2], force_single_bucket_group="no"), TypeError, "force_single_bucket_group must be a bool"),
+    Case("buckets.partition_bucket_indices", "wrong type", lambda: buckets.partition_bucket_indices([False], [2], reduce_scatter_with_fp32_accumulation=None), TypeError, "reduce_scatter_with_fp32_accumulation must be a bool"),
+    Case("buckets.materialize", "wrong type", lambda: buckets.materialize(LAYOUT, bind_main_grad="no"), TypeError, "bind_main_grad must be a bool"),
+    Case("pipeline.plan_layers", "wrong type", lambda: pipeline.plan_layers(7, 2, 2, account_for_loss_in_pipeline_split="no"), TypeError, "account_for_loss_in_pipeline_split must be a bool"),
+    Case("pipeline.plan_layers", "wrong type", lambda: pipeline.plan_layers(7, 2, 2, account_for_embedding_in_pipeline_split=1), TypeError, "account_for_embedding_in_pipeline_split must be a bool"),
+    Case("pipeline.PipelineLayout.from_str", "wrong type", lambda: pipeline.PipelineLayout.from_str("Ett|ttL", 2, validate="no"), TypeError, "validate must be a bool"),
+    Case("eplb.count_moved", "int64 overflow", lambda: eplb.count_moved([[1, 2**64]], [[1, 2]]), ValueError, r"previous_phy2log\[0, 1\] does not fit in int64"),
+    Case("eplb.gpu_loads", "int64 overflow", lambda: eplb.gpu_loads(torch.ones(1, 2), [[0, 2**70]], [[1, 1]], 1), ValueError, r"phy2log\[0, 1\] does not fit in int64"),
+    Case("bpe.WordCounts.__add__", "int64 overflow", lambda: bpe.WordCounts({b"ab": 2**62}) + bpe.WordCounts({b"ab": 2**62}), ValueError, "exceeds 2\\^63-1"),
     Case("bpe.save", "wrong dtype", lambda: bpe.save(_TINY_VOCAB, [("a", "b")], _dir() / "tok"), TypeError, r"merges\[0\]"),
     Case("bpe.save", "wrong value", lambda: bpe.save(_TINY_VOCAB, [(b"ab", b"c")], _dir() / "tok"), ValueError, r"merges\[0\].*merged token b'abc' is not in vocab"),
     Case("bpe.save", "wrong value", lambda: bpe.save({0: b"a", 1: b"ab"}, [(b"a", b"b")], _dir() / "tok"), ValueError, r"merges\[0\].*right token b'b' is not in vocab"),
@@ -809,6 +822,18 @@ def test_failed_calls_write_nothing(tmp_path):
     with pytest.raises(ValueError, match="loads.csv"):
         _cli("eplb", str(loads), "--save", str(tmp_path / "plan.pt"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "loads.csv"]
+
+
+def test_a_failed_save_writes_neither_file(tmp_path):
+    # merges.txt cannot be written (it is a directory): vocab.json must not be written alone.
+    (tmp_path / "merges.txt").mkdir()
+    with pytest.raises(IsADirectoryError, match="merges.txt"):
+        bpe.save(_TINY_VOCAB, [(b"a", b"b")], tmp_path)
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(b"low lower")
+    with pytest.raises(ValueError, match="merges.txt in it is a directory"):  # the CLI: before training
+        _cli("bpe", "train", str(corpus), "--vocab-size", "260", "--out", str(tmp_path), "--no-progress")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "merges.txt"]
 
 
 def test_failed_calls_leave_inputs_unchanged():

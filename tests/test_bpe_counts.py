@@ -149,6 +149,8 @@ def test_mismatched_settings(parts):
         train_from_counts(a, 10, show_progress=False)
     with pytest.raises(OverflowError, match="exceeds 2\\^63-1"):
         _ = WordCounts({b"a": 2**62}) + WordCounts({b"a": 2**62})
+    with pytest.raises(ValueError, match="exceeds 2\\^63-1"):  # the package's bad-input error type too
+        _ = WordCounts({b"a": 2**62}) + WordCounts({b"a": 2**62})
     total = WordCounts({b"aa": 1, b"zz": 2**63 - 1})
     with pytest.raises(OverflowError, match="exceeds 2\\^63-1"):
         total += WordCounts({b"aa": 5, b"zz": 1})

@@ -780,3 +780,13 @@ def test_tensor_subclass_costs_as_plain_tensors():
 
     costs = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0, 1.0])
     assert tp.balanced_layout(costs.as_subclass(UserTensor), 2) == tp.balanced_layout(costs, 2)
+
+
+def test_a_parsed_layout_cannot_be_edited():
+    # from_str caches its result: an edit would change every later parse of the same string.
+    layout = tp.PipelineLayout.from_str("Ett|ttL", 2)
+    with pytest.raises(AttributeError, match="immutable"):
+        layout.stages = ("Et", "tttL")
+    with pytest.raises(AttributeError, match="immutable"):
+        del layout.pipeline_model_parallel_size
+    assert tp.PipelineLayout.from_str("Ett|ttL", 2).to_str() == "Ett|ttL"

@@ -37,7 +37,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trainfast import _core
-from trainfast._util import INT64_MAX, UpstreamAssertionError, as_array, check_int, resolve_num_threads, to_tensor
+from trainfast._util import (
+    INT64_MAX,
+    UpstreamAssertionError,
+    as_array,
+    check_bool,
+    check_int,
+    resolve_num_threads,
+    to_tensor,
+)
 
 __all__ = [
     "BucketGroups",
@@ -290,6 +298,8 @@ def plan_layout(
     """
     dp = check_int(data_parallel_world_size, "data_parallel_world_size", min_value=1, max_value=INT64_MAX)
     bucket_size = _check_bucket_size(bucket_size)
+    use_distributed_optimizer = check_bool(use_distributed_optimizer, "use_distributed_optimizer")
+    pad_buckets_for_high_nccl_busbw = check_bool(pad_buckets_for_high_nccl_busbw, "pad_buckets_for_high_nccl_busbw")
     numels_arr = as_array(numels, "numels", "int64", kind="int")
     if shared_embedding is None:
         shared_arr = np.zeros(0, dtype=np.uint8)
@@ -400,6 +410,9 @@ def partition_bucket_indices(
     Without fp8 every bucket is its own group (buffer order, then bucket order); with one fp8 buffer
     each fp8 bucket is its own group except the last, which also takes every non-fp8 bucket.
     """
+    force_single_bucket_group = check_bool(force_single_bucket_group, "force_single_bucket_group")
+    reduce_scatter_with_fp32_accumulation = check_bool(reduce_scatter_with_fp32_accumulation,
+                                                       "reduce_scatter_with_fp32_accumulation")
     flags = as_array(is_uint8, "is_uint8", "uint8", kind="bool")
     counts = as_array(num_buckets, "num_buckets", "int64", kind="int")
     if flags.shape != counts.shape:
@@ -1018,6 +1031,7 @@ def materialize(
         for i, (shape, numel) in enumerate(zip(shape_list, numels)):
             if math.prod(shape) != numel:
                 raise ValueError(f"shapes[{i}] has {math.prod(shape)} elements but the layout holds {numel}")
+    bind_main_grad = check_bool(bind_main_grad, "bind_main_grad")
     if bind_main_grad and params is None:
         raise ValueError("bind_main_grad needs the params themselves as shapes")
     _check_buffers_fit(layout.numel, [d for d in (param_dtype, grad_dtype) if d is not None], device)

@@ -95,6 +95,13 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
         return torch.from_numpy(np.require(value, requirements="CA"))  # a view at an odd byte offset: copied
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence (got {type(value).__name__})")
+    if isinstance(value, (list, tuple)) and value and all(isinstance(row, torch.Tensor) for row in value):
+        for row in value:
+            check_has_data(row, name)
+        try:  # torch.tensor() takes no list of tensors
+            return torch.stack([row.detach().cpu() for row in value])
+        except RuntimeError as error:
+            raise ValueError(f"{name} must be a rectangular nested sequence of numbers ({error})") from None
     try:
         return torch.tensor(value)
     except ValueError as error:  # ragged nesting, or an int past int64
@@ -407,6 +414,8 @@ def _placement_table(value: Any, name: str) -> np.ndarray:
             raise ValueError(f"{name} must be a rectangular 2-D table ({exc})") from None
         if value.size == 0 and value.dtype.kind == "f":
             value = value.astype(np.int64)
+        if value.dtype == object:  # NumPy's fallback for an int past 64 bits: name that value
+            check_ints_fit_int64(value, name)
     if value.dtype.kind not in "iu":
         raise TypeError(f"{name} must have an integer dtype (got {value.dtype})")
     if value.ndim != 2:

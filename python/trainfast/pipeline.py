@@ -29,7 +29,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 
 from trainfast import _core
-from trainfast._util import UpstreamAssertionError, as_array, check_choice, check_int, to_tensor
+from trainfast._util import UpstreamAssertionError, as_array, check_bool, check_choice, check_int, to_tensor
 
 __all__ = [
     "BalancedLayout",
@@ -145,6 +145,16 @@ class PipelineLayout:
         self.stages = tuple(stage_list)
         self._counts: dict[str, tuple[list[int], list[int]]] = {}
 
+    # from_str hands every caller of one string the same cached object: an edit by one would
+    # change the others' layout (and leave its cached counts stale).
+    def __setattr__(self, name: str, value: Any) -> None:
+        if hasattr(self, name):
+            raise AttributeError(f"PipelineLayout is immutable: cannot set {name} (make a new one)")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"PipelineLayout is immutable: cannot delete {name}")
+
     # -- construction ------------------------------------------------------------------------------
     @staticmethod
     @functools.lru_cache(maxsize=256)
@@ -173,6 +183,7 @@ class PipelineLayout:
         if not isinstance(layout, str):
             raise TypeError(f"layout must be a str (got {type(layout).__name__})")
         pp = _check_int(pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
+        validate = check_bool(validate, "validate")
         parsed = cls._parse(_layout_text(layout, "layout"), pp)
         if validate:
             parsed.validate(num_layers, mtp_num_layers, check_counts=num_layers is not None)
@@ -511,6 +522,10 @@ def plan_layers(
     vpp = _optional_int(vpp, "vpp", min_value=1)
     first = _optional_int(num_layers_in_first_pipeline_stage, "num_layers_in_first_pipeline_stage")
     last = _optional_int(num_layers_in_last_pipeline_stage, "num_layers_in_last_pipeline_stage")
+    account_for_embedding_in_pipeline_split = check_bool(account_for_embedding_in_pipeline_split,
+                                                         "account_for_embedding_in_pipeline_split")
+    account_for_loss_in_pipeline_split = check_bool(account_for_loss_in_pipeline_split,
+                                                    "account_for_loss_in_pipeline_split")
     megatron_only = first is not None or last is not None or account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split
     if method != "megatron" and megatron_only:
         raise ValueError(f"num_layers_in_first/last_pipeline_stage and account_for_* need method='megatron' (got {method!r})")
@@ -652,7 +667,7 @@ def _check_layer_costs(costs: np.ndarray, embedding_cost: float, loss_cost: floa
 
 
 def balanced_layout(
-    layer_costs: Any, pp: int, vpp: int = 1, *, embedding_cost: float = 0.0, loss_cost: float = 0.0
+    layer_costs: Any, pp: int, vpp: int | None = 1, *, embedding_cost: float = 0.0, loss_cost: float = 0.0
 ) -> BalancedLayout:
     """Cost-balanced split of the layers into ``pp * vpp`` contiguous chunks (chunk ``c`` on pipeline
     rank ``c % pp``, virtual stage ``c // pp``; every chunk >= 1 layer).
@@ -664,15 +679,15 @@ def balanced_layout(
 
     Args:
         layer_costs: float `[num_layers]` (tensor, array or sequence), finite and >= 0.
-        pp, vpp: pipeline and virtual pipeline sizes; ``num_layers >= pp * vpp``; ``pp > 1`` when
-            ``vpp > 1`` (Megatron's layer numbering).
+        pp, vpp: pipeline and virtual pipeline sizes (``vpp`` None: 1, as in :func:`plan_layers`);
+            ``num_layers >= pp * vpp``; ``pp > 1`` when ``vpp > 1`` (Megatron's layer numbering).
 
     Returns:
         :class:`BalancedLayout`, unpackable as ``plan, layout_str``; pass ``layout_str`` to Megatron's
         ``--pipeline-model-parallel-layout``.
     """
     pp = _check_int(pp, "pp", min_value=1)
-    vpp = _check_int(vpp, "vpp", min_value=1)
+    vpp = 1 if vpp is None else _check_int(vpp, "vpp", min_value=1)
     _check_layout_sizes(pp, vpp)
     costs = as_array(layer_costs, "layer_costs", np.float64, kind="float")
     embedding_cost = _check_cost(embedding_cost, "embedding_cost")

@@ -238,12 +238,16 @@ def _pattern_key(pattern: str) -> str:
     return next((known for known, text in PATTERNS.items() if text == pattern), name)
 
 
+class CountOverflowError(OverflowError, ValueError):
+    """A count past 2^63-1; a ValueError too, as every bad-input error of the package is."""
+
+
 def _add_into(out: dict[bytes, int], other: dict[bytes, int]) -> None:
     get = out.get
     # Every sum is checked before any is written, so a failed `+=` leaves the counts as they were.
     for word, count in other.items():
         if get(word, 0) + count > _MAX_COUNT:
-            raise OverflowError(f"count of {word!r} exceeds 2^63-1 after adding")
+            raise CountOverflowError(f"count of {word!r} exceeds 2^63-1 after adding")
     for word, count in other.items():
         out[word] = get(word, 0) + count
 
