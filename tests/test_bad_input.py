@@ -697,6 +697,12 @@ ACCEPTED: list[tuple[str, str, Callable[[], object], Callable[[], object]]] = [
      lambda: pipeline.balanced_layout([1.0] * 8, 2, 2)[1]),
 ]
 ACCEPTED += [
+    ("eplb.rebalance_experts", "list of tensors (one per layer)",
+     lambda: [t.tolist() for t in eplb.rebalance_experts(list(_W * torch.arange(1.0, 13.0)), 16, 4, 2, 8)],
+     lambda: [t.tolist() for t in eplb.rebalance_experts(_W * torch.arange(1.0, 13.0), 16, 4, 2, 8)]),
+    ("pipeline.balanced_layout", "vpp=None (as plan_layers takes it)",
+     lambda: pipeline.balanced_layout([1.0, 2.0, 3.0, 4.0], 2, None).layout_str,
+     lambda: pipeline.balanced_layout([1.0, 2.0, 3.0, 4.0], 2, 1).layout_str),
     ("eplb.gpu_loads", "non-contiguous/strided tensor",
      lambda: eplb.gpu_loads(torch.arange(48.0).reshape(4, 12)[::2], torch.arange(24).reshape(2, 12).flip(1) % 12, _CNT, 2).tolist(),
      lambda: eplb.gpu_loads(torch.arange(48.0).reshape(4, 12)[::2].contiguous(), (torch.arange(24).reshape(2, 12).flip(1) % 12).contiguous(), _CNT, 2).tolist()),
