@@ -416,6 +416,20 @@ def test_layout_through_transformer_config(mcore):
         tp.get_num_layers_to_build(SimpleNamespace(**{**vars(ours), "num_layers": 10}), 0, 0)
 
 
+def test_layout_offset_on_one_pipeline_rank_needs_no_vp_stage(mcore):
+    # Upstream returns 0 for pp=1 before looking at vp_stage or the parallel state (found by a
+    # differential run: the drop-in asked the layout for a vp_stage first).
+    for text in ("Ett|L", "Ett|mL", "E|tt|mmL"):
+        mtp = text.count("m")
+        config = mcore.make_config(num_layers=2, pipeline_model_parallel_size=1, pipeline_model_parallel_layout=text,
+                                   mtp_num_layers=mtp or None)
+        with fake_parallel_state(mcore.parallel_state, 0, config.virtual_pipeline_model_parallel_size):
+            expected = mcore.layer_offset(config, vp_stage=None)
+        assert expected == 0
+        assert tp.get_transformer_layer_offset(config, vp_stage=None) == expected
+        assert tp.get_transformer_layer_offset(config, vp_stage=None, pp_rank=0) == expected
+
+
 def test_layout_to_str_examples():
     cases = {
         "Et*3|(tt|)*29,m|L": 16,

@@ -475,6 +475,12 @@ def get_transformer_layer_offset(config: Any, vp_stage: int | None = None, pp_ra
     hit = _fast_lookup(config, vp_stage, pp_rank)
     if hit is not None:
         return hit[1]
+    spec = _read_config(config)
+    if spec[7] is not None and spec[1] == 1:
+        # Upstream's offset on one pipeline rank is 0 without reading vp_stage (which a multi-stage
+        # layout would need for the count) or the parallel state.
+        _validate_layout_config(spec)
+        return 0
     offset = _rank_values(config, vp_stage, pp_rank)[1]
     if offset is None:
         raise UpstreamAssertionError(
