@@ -563,6 +563,7 @@ def _order_slots(previous: np.ndarray, phy2log: np.ndarray, phyrank: np.ndarray,
     new[layer, targets] = phy2log.reshape(num_layers, num_gpus, slots_per_gpu)
     rank[layer, targets] = phyrank.reshape(num_layers, num_gpus, slots_per_gpu)
     new, rank, old = new.reshape(rows, -1), rank.reshape(rows, -1), previous.reshape(rows, -1)
+
     # The j-th entry of expert e on a GPU takes the slot of the j-th previous e there, if any: one
     # key per (GPU, expert, occurrence), unique on each side.
     def keys(experts: np.ndarray, occurrence: np.ndarray) -> np.ndarray:
