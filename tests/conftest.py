@@ -134,3 +134,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("skipped under CI, where every test dependency must be present:", red=True)
         for line in _unexpected_skips:
             terminalreporter.write_line(f"  {line}", red=True)
+
+
+@pytest.fixture(params=["walks", "automaton"])
+def special_token_search(request):
+    """Runs a test twice: special tokens found by trie walks (the default on short texts), and by
+    the reverse automaton that takes over from walks comparing too much (slack 0 sends small texts
+    with tokens over 64 bytes there)."""
+    from trainfast import _core
+
+    before = _core._special_token_walk_slack()
+    if request.param == "automaton":
+        _core._set_special_token_walk_slack(0)
+    yield request.param
+    _core._set_special_token_walk_slack(before)

@@ -326,6 +326,55 @@ def test_many_special_tokens_sharing_prefixes(text, specials, num_threads):
     assert counter.finish() == ref.count_pretokens([text], "gpt2", specials)
 
 
+# Tokens longer than the matcher's kLongToken (64 bytes) go through its reverse automaton and the
+# finder's stretches: tokens of one repeated unit with different tails, in text made of their
+# prefixes (long near misses), whole occurrences and overlaps.
+@st.composite
+def long_special_cases(draw):
+    # A space in the unit makes cuts inside an occurrence that only the special tokens forbid.
+    unit = draw(st.text(alphabet="ab< é", min_size=1, max_size=3))
+    specials = []
+    for k in range(draw(st.integers(1, 4))):
+        length = draw(st.integers(65 if k == 0 else 1, 160))
+        specials.append((unit * length)[:length] + draw(st.text(alphabet="ab<\n", max_size=3)))
+    token_prefix = st.sampled_from(specials).flatmap(lambda token: st.integers(0, len(token)).map(lambda k: token[:k]))
+    pieces = st.one_of(token_prefix, st.sampled_from(specials), st.text(alphabet="ab<é \n", max_size=5))
+    return "".join(draw(st.lists(pieces, max_size=12))), specials
+
+
+@given(case=long_special_cases(), num_threads=st.sampled_from([1, 2, 7]), block_bytes=st.sampled_from([16, 100, 1 << 20]))
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+def test_long_special_tokens_among_near_misses(special_token_search, tmp_path, case, num_threads, block_bytes):
+    text, specials = case
+    assert pretokenize(text, special_tokens=specials) == ref.pretokenize(text, "gpt2", specials)
+    expected = ref.count_pretokens([text], "gpt2", specials)
+    # chunk_bytes=1: a cut is tried at every point, and occurrences over it are skipped whole.
+    counter = _core.BpePretokenCounter(NATIVE_ID["gpt2"], list(dict.fromkeys(specials)), 0, num_threads, chunk_bytes=1)
+    counter.add_documents([text])
+    assert counter.finish() == expected
+    path = tmp_path / "doc.txt"
+    path.write_bytes(text.encode())
+    counter = _core.BpePretokenCounter(NATIVE_ID["gpt2"], list(dict.fromkeys(specials)), 0, num_threads,
+                                       chunk_bytes=1, block_bytes=block_bytes)
+    counter.add_file(str(path))
+    assert counter.finish() == expected
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_long_special_tokens_over_many_stretches(special_token_search, name):
+    # Past the finder's 64 KiB stretches: occurrences and near misses across their ends.
+    rng = random.Random(7 + NATIVE_ID[name])
+    specials = ["a" * 100 + "b", "a" * 70 + "c", "ab", "<" + "x" * 300 + ">", "y " * 40]
+    pieces = specials + ["a" * 99, "a" * 150, "x" * 299, "<" + "x" * 299, "y " * 39, "y", " ", "\n", "é"]
+    text = "".join(rng.choice(pieces) for _ in range(12_000))
+    assert pretokenize(text, pattern=name, special_tokens=specials) == ref.pretokenize(text, name, specials)
+    expected = ref.count_pretokens([text], name, specials)
+    for num_threads, chunk_bytes in [(1, 1 << 20), (2, 1000), (7, 1)]:
+        counter = _core.BpePretokenCounter(NATIVE_ID[name], specials, 0, num_threads, chunk_bytes=chunk_bytes)
+        counter.add_documents([text])
+        assert counter.finish() == expected
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_count_every_safe_split_point_seeded(name):
     rng = random.Random(99 + NATIVE_ID[name])

@@ -256,6 +256,25 @@ def test_encode_iterable_equals_encode(shared_dir, gpt2, monkeypatch, chunker):
     assert list(gpt2.encode_iterable(chunks)) == gpt2.encode(text)
 
 
+@pytest.mark.parametrize("stream_chars", [64, 1 << 16])
+def test_long_special_tokens_among_near_misses(special_token_search, monkeypatch, stream_chars):
+    # Tokens over 64 bytes are found by the matcher's reverse automaton; the streaming cut must
+    # not fall inside an occurrence (it moves back to the occurrence's start).
+    monkeypatch.setattr(tokenizer_module, "_STREAM_CHARS", stream_chars)
+    specials = ["a " * 50 + "b", "a " * 40 + "c", "<" + "x" * 200 + ">", "a "]
+    vocab = {b: bytes([b]) for b in range(256)} | {256 + k: s.encode() for k, s in enumerate(specials)}
+    merges = [(b"x", b"x")]
+    vocab[260] = b"xx"
+    tok, oracle = Tokenizer(vocab, merges, specials), ReferenceTokenizer(vocab, merges, specials)
+    rng = random.Random(5)
+    pieces = specials + ["a " * 49, "a " * 60, "x" * 199, "<" + "x" * 199, "a", "b", " ", "\n", "é"]
+    text = "".join(rng.choice(pieces) for _ in range(3000))
+    ids = tok.encode(text)
+    assert ids == oracle.encode(text)
+    chunks = [text[k:k + 997] for k in range(0, len(text), 997)]
+    assert list(tok.encode_iterable(chunks)) == ids
+
+
 @pytest.mark.parametrize("line", ["12,345,6789\n", "3.14 2.72 1.41\n", "== ** ==\r\n"])
 def test_encode_iterable_holds_a_bounded_window_of_text_without_letters(gpt2, monkeypatch, line):
     # Numbers and punctuation only: no "<space><letter>" to cut at, yet the window stays bounded.

@@ -362,6 +362,10 @@ void register_bpe_pretokenize(py::module_& m) {
       },
       py::arg("data"), py::arg("simd"), "(valid UTF-8, count of \\r, count of \\r\\n) of data.");
   m.def("_has_simd_utf8", &has_simd_utf8, "Whether the UTF-8 check runs on AVX2 here.");
+  m.def("_special_token_walk_slack", &bpe::special_token_walk_slack,
+        "Bytes special-token walks may compare beyond 4 per byte of text before the automaton takes over.");
+  m.def("_set_special_token_walk_slack", &bpe::set_special_token_walk_slack, py::arg("bytes"),
+        "For tests: 0 sends small texts with long special tokens to the automaton too.");
   py::class_<Counter>(m, "BpePretokenCounter", "Counts pre-tokens over files and documents.")
       .def(py::init<int, const py::list&, int, int, size_t, size_t>(), py::arg("pattern"),
            py::arg("special_tokens"), py::arg("errors"), py::arg("num_threads"), py::arg("chunk_bytes") = 0,

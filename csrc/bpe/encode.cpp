@@ -436,10 +436,11 @@ void BpeEncoder::encode_with(std::string_view text, std::vector<uint32_t>& out, 
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
   const size_t n = text.size();
   out.reserve(out.size() + n / 3 + 1);  // English averages over 4 bytes per token: rarely regrows
+  SpecialTokenFinder finder(specials_, text);
   size_t i = 0;
   while (i <= n) {
     const auto [special_start, special_length] = specials_.empty() ? std::pair<size_t, size_t>{n, 0}
-                                                                   : specials_.find(text, i, interrupt);
+                                                                   : finder.find(i, interrupt);
     // The special-free segment [i, special_start) goes in blocks cut where pre-tokens must break.
     while (i < special_start) {
       size_t block_end = special_start;
@@ -518,13 +519,18 @@ size_t BpeEncoder::safe_cut(std::string_view text, Interrupt* interrupt) const {
   const size_t reach = specials_.empty() ? 0 : specials_.max_length() - 1;
   if (n < reach + 3) return 0;
   // Every special token starting before the cut must end inside the text (n - reach).
-  for (size_t p = n - reach - 1; p >= 2; --p) {
-    if (interrupt != nullptr && (p & 0xFFFFF) == 0) interrupt->check();
+  size_t p = n - reach - 1;
+  for (uint64_t steps = 1; p >= 2; ++steps) {
+    if (interrupt != nullptr && (steps & 0xFFFFF) == 0) interrupt->check();
     // Text without letters (numbers, CSV) has no regex_boundary; a pre-token-safe cut serves too.
-    if ((regex_boundary(s, n, p) || is_safe_cut(pattern_, s, p, n)) &&
-        (specials_.empty() || !specials_.straddles(text, p))) {
-      return p;
+    if (!regex_boundary(s, n, p) && !is_safe_cut(pattern_, s, p, n)) {
+      --p;
+      continue;
     }
+    // Inside a special token's occurrence no point is safe: its start is the next one to try.
+    const size_t first_start = specials_.empty() ? p : specials_.straddling(text, p).first;
+    if (first_start == p) return p;
+    p = first_start;
   }
   return 0;
 }

@@ -1115,6 +1115,77 @@ SpecialTokenMatcher::SpecialTokenMatcher(std::vector<std::string> special_tokens
     ++num_first_bytes_;
     only_first_byte_ = edge_bytes_[e];
   }
+  if (max_length_ > kLongToken) build_reverse_automaton(special_tokens);
+}
+
+// A plain byte trie of the reversed tokens, built breadth first from them sorted (each node's
+// tokens are a contiguous range, its children's edges sorted by byte), with failure links: a
+// node's is the longest proper suffix of its bytes that is also a node. Breadth first, a node's
+// failure target and that target's own links are complete before the node is reached.
+void SpecialTokenMatcher::build_reverse_automaton(const std::vector<std::string>& sorted_tokens) {
+  std::vector<std::string> reversed(sorted_tokens.rbegin(), sorted_tokens.rend());
+  for (std::string& token : reversed) std::reverse(token.begin(), token.end());
+  std::sort(reversed.begin(), reversed.end());
+  ReverseAutomaton& a = reverse_;
+  struct Pending {
+    size_t lo, hi;
+    uint32_t depth;
+  };
+  std::vector<Pending> pending{{0, reversed.size(), 0}};
+  a.fail.push_back(0);
+  for (size_t k = 0; k < pending.size(); ++k) {
+    auto [lo, hi, depth] = pending[k];
+    const auto node = static_cast<uint32_t>(k);
+    const bool is_token = lo < hi && reversed[lo].size() == depth;
+    if (is_token) ++lo;
+    a.longest.push_back(is_token ? depth : (node == 0 ? 0 : a.longest[a.fail[node]]));
+    a.first_edge.push_back(static_cast<uint32_t>(a.edge_byte.size()));
+    a.num_edges.push_back(0);
+    while (lo < hi) {
+      const auto byte = static_cast<uint8_t>(reversed[lo][depth]);
+      size_t end = lo + 1;
+      while (end < hi && static_cast<uint8_t>(reversed[end][depth]) == byte) ++end;
+      const auto child = static_cast<uint32_t>(pending.size());
+      a.fail.push_back(node == 0 ? 0 : a.step(a.fail[node], byte));
+      a.edge_byte.push_back(byte);
+      a.edge_node.push_back(child);
+      ++a.num_edges[node];
+      if (node == 0) a.root_next[byte] = child;
+      pending.push_back({lo, end, depth + 1});
+      lo = end;
+    }
+  }
+}
+
+uint32_t SpecialTokenMatcher::ReverseAutomaton::child(uint32_t node, uint8_t byte) const {
+  const uint8_t* const begin = edge_byte.data() + first_edge[node];
+  const uint8_t* const end = begin + num_edges[node];
+  const uint8_t* const it = num_edges[node] <= 8 ? std::find(begin, end, byte) : std::lower_bound(begin, end, byte);
+  return it != end && *it == byte ? edge_node[first_edge[node] + static_cast<size_t>(it - begin)] : 0;
+}
+
+uint32_t SpecialTokenMatcher::ReverseAutomaton::step(uint32_t state, uint8_t byte) const {
+  while (state != 0) {
+    const uint32_t next = child(state, byte);
+    if (next != 0) return next;
+    state = fail[state];
+  }
+  return root_next[byte];
+}
+
+template <typename Visit>
+bool SpecialTokenMatcher::visit_longest(const uint8_t* s, size_t n, size_t a, size_t b, Visit visit,
+                                        Interrupt* interrupt) const {
+  // A token starting before b ends by b - 1 + max_length_: reading from there, every state below
+  // b has seen all the bytes its tokens could use.
+  const size_t from = std::min(n, b - 1 + max_length_);
+  uint32_t state = 0;
+  for (size_t i = from; i-- > a;) {
+    if (interrupt != nullptr && (i & 0xFFFF) == 0) interrupt->check();
+    state = reverse_.step(state, s[i]);
+    if (i < b && visit(i, reverse_.longest[state])) return true;
+  }
+  return false;
 }
 
 const SpecialTokenMatcher::Edge* SpecialTokenMatcher::edge(uint32_t node, uint8_t byte) const {
@@ -1127,13 +1198,17 @@ const SpecialTokenMatcher::Edge* SpecialTokenMatcher::edge(uint32_t node, uint8_
 }
 
 template <typename OnToken>
-bool SpecialTokenMatcher::walk(const uint8_t* s, size_t start, size_t n, OnToken on_token) const {
+bool SpecialTokenMatcher::walk(const uint8_t* s, size_t start, size_t n, OnToken on_token, uint64_t* compared) const {
   uint32_t node = 0;
   for (size_t j = start; j < n;) {
     const Edge* next = edge(node, s[j]);
-    if (next == nullptr || next->label_length > n - j ||
-        std::memcmp(s + j, labels_.data() + next->label_begin, next->label_length) != 0) {
-      return false;
+    if (next == nullptr || next->label_length > n - j) return false;
+    // A long label in 64-byte steps, so that a near miss is charged about what it cost.
+    const char* const label = labels_.data() + next->label_begin;
+    for (size_t k = 0; k < next->label_length; k += 64) {
+      const size_t step = std::min<size_t>(64, next->label_length - k);
+      if (compared != nullptr) *compared += step;
+      if (std::memcmp(s + j + k, label + k, step) != 0) return false;
     }
     j += next->label_length;
     node = next->node;
@@ -1142,38 +1217,120 @@ bool SpecialTokenMatcher::walk(const uint8_t* s, size_t start, size_t n, OnToken
   return false;
 }
 
+size_t SpecialTokenMatcher::longest_at(const uint8_t* s, size_t i, size_t n, uint64_t* compared) const {
+  size_t longest = 0;
+  walk(s, i, n, [&](size_t end) {
+    longest = end - i;
+    return false;
+  }, compared);
+  return longest;
+}
+
+size_t SpecialTokenMatcher::next_candidate(const uint8_t* s, size_t i, size_t n) const {
+  if (i >= n) return n;
+  if (num_first_bytes_ == 1) {
+    const void* hit = std::memchr(s + i, only_first_byte_, n - i);
+    return hit == nullptr ? n : static_cast<size_t>(static_cast<const uint8_t*>(hit) - s);
+  }
+  while (i < n && root_edge_[s[i]] == 0) ++i;
+  return i;
+}
+
+namespace {
+std::atomic<uint64_t> walk_slack{65536};
+}  // namespace
+
+uint64_t special_token_walk_slack() { return walk_slack.load(std::memory_order_relaxed); }
+void set_special_token_walk_slack(uint64_t bytes) { walk_slack.store(bytes, std::memory_order_relaxed); }
+
 std::pair<size_t, size_t> SpecialTokenMatcher::find(std::string_view text, size_t from, Interrupt* interrupt) const {
   const size_t n = text.size();
   if (empty()) return {n, 0};
-  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  if (!reverse_.empty()) return SpecialTokenFinder(*this, text).find(from, interrupt);
+  const auto* s = reinterpret_cast<const uint8_t*>(text.data());
   uint64_t num_walks = 0;
-  for (size_t i = from; i < n; ++i) {
-    if (num_first_bytes_ == 1) {
-      const void* hit = std::memchr(s + i, only_first_byte_, n - i);
-      if (hit == nullptr) return {n, 0};
-      i = static_cast<const unsigned char*>(hit) - s;
-    } else if (root_edge_[s[i]] == 0) {
-      continue;
-    }
+  for (size_t i = next_candidate(s, from, n); i < n; i = next_candidate(s, i + 1, n)) {
     if (interrupt != nullptr && (++num_walks & 0xFFF) == 0) interrupt->check();
-    size_t longest = 0;
-    walk(s, i, n, [&](size_t end) {
-      longest = end - i;
-      return false;
-    });
+    const size_t longest = longest_at(s, i, n);
     if (longest > 0) return {i, longest};
   }
   return {n, 0};
 }
 
-bool SpecialTokenMatcher::straddles(std::string_view text, size_t p) const {
-  if (empty() || p == 0) return false;
+std::pair<size_t, size_t> SpecialTokenMatcher::straddling(std::string_view text, size_t p) const {
+  if (empty() || p == 0 || p >= text.size()) return {p, p};
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
+  const size_t n = text.size();
   // An occurrence covering p - 1 and p starts in [p - max_length_ + 1, p - 1] and ends past p.
-  for (size_t start = p + 1 > max_length_ ? p + 1 - max_length_ : 0; start < p; ++start) {
-    if (walk(s, start, text.size(), [&](size_t end) { return end > p; })) return true;
+  const size_t lo = p + 1 > max_length_ ? p + 1 - max_length_ : 0;
+  size_t first_start = p, last_end = p;
+  auto take = [&](size_t start, size_t end) {
+    if (end > p) {
+      first_start = std::min(first_start, start);
+      last_end = std::max(last_end, end);
+    }
+  };
+  // Walks from each possible start, unless they compare more than a few times the reach (text
+  // full of near misses of a long token): then one automaton pass over twice the reach.
+  const uint64_t budget = reverse_.empty() ? UINT64_MAX : 4 * static_cast<uint64_t>(p - lo) + special_token_walk_slack();
+  uint64_t compared = 0;
+  for (size_t start = next_candidate(s, lo, p); start < p; start = next_candidate(s, start + 1, p)) {
+    walk(s, start, n, [&](size_t end) {
+      take(start, end);
+      return false;
+    }, &compared);
+    if (compared > budget) {
+      first_start = last_end = p;
+      visit_longest(s, n, lo, p, [&](size_t i, uint32_t length) {
+        take(i, i + length);
+        return false;
+      }, nullptr);
+      break;
+    }
   }
-  return false;
+  return {first_start, last_end};
+}
+
+std::pair<size_t, size_t> SpecialTokenFinder::find(size_t from, Interrupt* interrupt) {
+  const size_t n = text_.size();
+  const SpecialTokenMatcher& m = matcher_;
+  if (m.reverse_.empty()) return m.find(text_, from, interrupt);
+  const auto* s = reinterpret_cast<const uint8_t*>(text_.data());
+  // Stretches at least twice the lookahead, so reading it costs at most half as much again.
+  const size_t stretch = std::max<size_t>(size_t{1} << 16, 2 * m.max_length_);
+  if (from < walks_from_) walks_from_ = from, compared_ = 0;
+  const uint64_t slack = special_token_walk_slack();
+  uint64_t num_walks = 0;
+  while (from < n) {
+    if (from >= begin_ && from < begin_ + longest_.size()) {
+      for (size_t i = from - begin_; i < longest_.size(); ++i) {
+        if (longest_[i] != 0) return {begin_ + i, longest_[i]};
+      }
+      from = begin_ + longest_.size();
+      walks_from_ = from;
+      compared_ = 0;
+      continue;
+    }
+    const size_t i = m.next_candidate(s, from, n);
+    if (i >= n) break;
+    // Walks compare a few bytes per byte of text, or the stretch's automaton pass (about 1.5
+    // bytes read per byte) takes over from here: linear time either way.
+    if (compared_ > 4 * static_cast<uint64_t>(i - walks_from_) + slack) {
+      begin_ = i;
+      longest_.assign(std::min(stretch, n - i), 0);
+      m.visit_longest(s, n, begin_, begin_ + longest_.size(), [&](size_t k, uint32_t length) {
+        longest_[k - begin_] = length;
+        return false;
+      }, interrupt);
+      from = i;
+      continue;
+    }
+    if (interrupt != nullptr && (++num_walks & 0xFFF) == 0) interrupt->check();
+    const size_t longest = m.longest_at(s, i, n, &compared_);
+    if (longest > 0) return {i, longest};
+    from = i + 1;
+  }
+  return {n, 0};
 }
 
 bool is_safe_cut(Pattern pattern, const uint8_t* s, size_t p, size_t n) {
@@ -1191,9 +1348,10 @@ std::vector<Piece> split_and_pretokenize(std::string_view text, Pattern pattern,
   std::vector<Piece> pieces;
   std::vector<size_t> ends;
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
+  SpecialTokenFinder finder(specials, text);
   size_t i = 0;
   while (i <= text.size()) {
-    const auto [special_start, special_len] = specials.find(text, i, interrupt);
+    const auto [special_start, special_len] = finder.find(i, interrupt);
     // A long segment goes in blocks cut at safe points (same pre-tokens), polling Ctrl-C between.
     for (size_t begin = i; begin < special_start;) {
       const size_t n = special_start - begin;
@@ -1359,32 +1517,47 @@ struct PretokenCounter::Impl {
     size_t size;
   };
 
-  bool safe_split(const uint8_t* s, size_t p, size_t n) const {
-    return is_safe_cut(options.pattern, s, p, n) &&
-           !specials.straddles(std::string_view(reinterpret_cast<const char*>(s), n), p);
+  // The first safe cut of s[0:n) in [p, limit) (the pattern's rule, and no special token covers
+  // it), or limit when there is none. An occurrence of a special token over the point is skipped
+  // whole (no point inside it is safe): byte by byte, a long token's reach was read at each byte.
+  size_t next_safe_split(const uint8_t* s, size_t p, size_t limit, size_t n, Interrupt* interrupt) const {
+    const std::string_view text(reinterpret_cast<const char*>(s), n);
+    for (uint64_t steps = 1; p < limit; ++steps) {
+      if (interrupt != nullptr && (steps & 0xFFFFF) == 0) interrupt->check();  // text without a safe cut
+      if (!is_safe_cut(options.pattern, s, p, n)) {
+        ++p;
+        continue;
+      }
+      const size_t past = specials.straddling(text, p).second;
+      if (past == p) return p;
+      p = past;
+    }
+    return limit;
   }
 
-  // A safe cut of the raw file bytes s[0:n) at p that is also one of the decoded text, whatever
-  // the errors mode: besides safe_split's rule, the character before p is valid UTF-8 (so it
-  // decodes to itself, and no invalid sequence reaches p), and with special tokens the bytes
-  // around p that an occurrence covering p-1 and p could use are clean (decode to themselves).
-  bool raw_safe_split(const uint8_t* s, size_t p, size_t n) const {
-    if (p == 0 || p >= n || s[p] >= 0x80) return false;
+  // p when cutting the raw file bytes s[0:n) at p (0 < p < n) is safe and also a safe cut of the
+  // decoded text, whatever the errors mode; else the next point worth trying. Besides
+  // next_safe_split's rules, the character before p is valid UTF-8 (so it decodes to itself, and
+  // no invalid sequence reaches p), and with special tokens the bytes around p that an occurrence
+  // covering p-1 and p could use are clean (decode to themselves).
+  size_t raw_safe_split_from(const uint8_t* s, size_t p, size_t n) const {
+    if (s[p] >= 0x80) return p + 1;
     size_t q = p - 1;
     while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) --q;
-    if (s[q] >= 0x80 && !is_clean_utf8(s + q, p - q)) return false;
+    if (s[q] >= 0x80 && !is_clean_utf8(s + q, p - q)) return p + 1;
     // The pattern's rule first: it is cheap, and it fails all through text with no safe cut, where
     // checking a long special token's window at every byte took seconds per MB.
-    if (!is_safe_cut(options.pattern, s, p, n)) return false;
+    if (!is_safe_cut(options.pattern, s, p, n)) return p + 1;
     if (!specials.empty()) {
       const size_t reach = specials.max_length();
       size_t lo = p > reach ? p - reach : 0;
       while (lo > 0 && (s[lo] & 0xC0) == 0x80) --lo;
       size_t hi = std::min(n, p + reach);
       while (hi < n && (s[hi] & 0xC0) == 0x80) ++hi;
-      if (!is_clean_utf8(s + lo, hi - lo)) return false;
+      if (!is_clean_utf8(s + lo, hi - lo)) return p + 1;
     }
-    return !specials.straddles(std::string_view(reinterpret_cast<const char*>(s), n), p);
+    // Inside an occurrence no point is safe: past its end is the next one to try.
+    return specials.straddling(std::string_view(reinterpret_cast<const char*>(s), n), p).second;
   }
 
   // Decodes and counts one block of raw file bytes that starts and ends at raw-safe cuts.
@@ -1451,11 +1624,7 @@ struct PretokenCounter::Impl {
              Interrupt* interrupt = nullptr) const {
     size_t start = 0;
     while (start + options.chunk_bytes < limit) {
-      size_t p = std::max(start + options.chunk_bytes, searched);
-      while (p < limit && !safe_split(s, p, n)) {
-        ++p;
-        if (interrupt != nullptr && (p & 0xFFFFF) == 0) interrupt->check();  // text without a safe cut
-      }
+      const size_t p = next_safe_split(s, std::max(start + options.chunk_bytes, searched), limit, n, interrupt);
       if (p >= limit) break;
       chunks.push_back({s + start, p - start});
       start = p;
@@ -1489,10 +1658,10 @@ struct PretokenCounter::Impl {
   template <Pattern P>
   void count_chunk_impl(const Chunk& chunk, CountTable& table, Interrupt* interrupt) const {
     if (specials.empty()) return count_segment<P>(chunk.data, chunk.size, table, interrupt);
-    const std::string_view text(reinterpret_cast<const char*>(chunk.data), chunk.size);
+    SpecialTokenFinder finder(specials, std::string_view(reinterpret_cast<const char*>(chunk.data), chunk.size));
     size_t i = 0;
     while (i < chunk.size) {
-      const auto [start, len] = specials.find(text, i, interrupt);
+      const auto [start, len] = finder.find(i, interrupt);
       count_segment<P>(chunk.data + i, start - i, table, interrupt);
       if (len == 0) break;
       i = start + len;
@@ -1646,10 +1815,12 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
       size_t end = size;
       if (size - start > impl.options.block_bytes) {
         end = start + impl.options.block_bytes;
-        while (end < size && !impl.raw_safe_split(file, end, size)) {
+        for (uint64_t steps = 1; end < size; ++steps) {
+          const size_t next = impl.raw_safe_split_from(file, end, size);
+          if (next == end) break;
+          end = std::min(next, size);
           // Text without a safe cut (one huge pre-token) is scanned to its end: Ctrl-C stays live.
-          ++end;
-          if (interrupt != nullptr && (end & 0xFFFFF) == 0) interrupt->check();
+          if (interrupt != nullptr && (steps & 0xFFFFF) == 0) interrupt->check();
         }
       }
       impl.count_raw_block(file + start, end - start, static_cast<int64_t>(start), path, buffer, interrupt,

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/buffer.h"
@@ -36,6 +37,10 @@ void pretokenize(std::string_view text, Pattern pattern, std::vector<size_t>& en
 // first: leftmost occurrence wins, and the longest token at that position.
 class SpecialTokenMatcher {
  public:
+  // Tokens longer than this are also matched by an automaton (below): one walk per position costs
+  // up to the token's length, so text full of near misses of a 400 KB token took minutes per MB.
+  static constexpr size_t kLongToken = 64;
+
   SpecialTokenMatcher() = default;
   // Throws std::invalid_argument on an empty token; duplicates are ignored.
   explicit SpecialTokenMatcher(std::vector<std::string> special_tokens);
@@ -43,12 +48,18 @@ class SpecialTokenMatcher {
   bool empty() const { return max_length_ == 0; }
   size_t max_length() const { return max_length_; }
   // Leftmost occurrence at or after `from`: {start, length}; {text.size(), 0} when none. Polls
-  // `interrupt` as it goes: with long tokens sharing long prefixes a search can take seconds.
+  // `interrupt` as it goes. A caller that moves forward through one text uses SpecialTokenFinder,
+  // which keeps what it has read between calls.
   std::pair<size_t, size_t> find(std::string_view text, size_t from, Interrupt* interrupt = nullptr) const;
-  // True when some occurrence of some token covers both byte p - 1 and byte p.
-  bool straddles(std::string_view text, size_t p) const;
+  // The occurrences of any token that cover both byte p - 1 and byte p: {the first one's start,
+  // the last end of any of them}; {p, p} when there is none. No cut between them is safe, so a
+  // caller looking for one moves past them at once.
+  std::pair<size_t, size_t> straddling(std::string_view text, size_t p) const;
+  bool straddles(std::string_view text, size_t p) const { return straddling(text, p).second > p; }
 
  private:
+  friend class SpecialTokenFinder;
+
   // The tokens as a byte trie with each chain of single-child nodes folded into one edge (a radix
   // tree): each position is matched by one walk, however many tokens there are (trying each token
   // in turn cost seconds per 10 MB with 2000 tokens of one prefix), and a long token's bytes are
@@ -66,9 +77,36 @@ class SpecialTokenMatcher {
   // The edge out of `node` whose label starts with `byte`, or nullptr.
   const Edge* edge(uint32_t node, uint8_t byte) const;
   // Calls on_token(end) for each token that s[start:n) starts with, shortest first; stops when it
-  // returns true (and returns true).
+  // returns true (and returns true). Adds the bytes it compared to *compared (to within 64).
   template <typename OnToken>
-  bool walk(const uint8_t* s, size_t start, size_t n, OnToken on_token) const;
+  bool walk(const uint8_t* s, size_t start, size_t n, OnToken on_token, uint64_t* compared = nullptr) const;
+  // The longest token starting at s[i], by a walk; 0 when none.
+  size_t longest_at(const uint8_t* s, size_t i, size_t n, uint64_t* compared = nullptr) const;
+  // The next position at or after i where some token could start (its first byte), or n.
+  size_t next_candidate(const uint8_t* s, size_t i, size_t n) const;
+
+  // With a token longer than kLongToken: an Aho-Corasick automaton of the reversed tokens. Run
+  // backwards over the text, its state at byte i holds the longest token that starts at i, so one
+  // pass finds the longest token at every position of a stretch in time linear in the stretch
+  // plus the longest token (the lookahead), however the tokens and the text overlap. Walks stay
+  // the first choice (a memchr to each possible start is far cheaper on ordinary text); the
+  // automaton takes over where the walks compare more than a few bytes per byte of text.
+  struct ReverseAutomaton {
+    std::vector<uint32_t> first_edge, fail, longest;  // per node; node 0 is the root
+    std::vector<uint16_t> num_edges;
+    std::vector<uint8_t> edge_byte;                   // by node, then byte
+    std::vector<uint32_t> edge_node;
+    uint32_t root_next[256] = {};                     // 0: no token ends with that byte
+    bool empty() const { return fail.empty(); }
+    uint32_t child(uint32_t node, uint8_t byte) const;  // 0 when none
+    uint32_t step(uint32_t state, uint8_t byte) const;
+  };
+  void build_reverse_automaton(const std::vector<std::string>& sorted_tokens);
+  // Calls visit(i, length) for i = b - 1 down to a (a < b <= n), length being that of the longest
+  // token starting at s[i] (0: none); stops when visit returns true (and returns true). Needs the
+  // reverse automaton.
+  template <typename Visit>
+  bool visit_longest(const uint8_t* s, size_t n, size_t a, size_t b, Visit visit, Interrupt* interrupt) const;
 
   std::vector<Node> nodes_;           // nodes_[0]: the root
   std::vector<uint8_t> edge_bytes_;   // each edge's first byte, for the search
@@ -78,6 +116,29 @@ class SpecialTokenMatcher {
   size_t max_length_ = 0;
   int num_first_bytes_ = 0;
   unsigned char only_first_byte_ = 0;
+  ReverseAutomaton reverse_;
+};
+
+// Bytes the walks of a special-token search may compare beyond 4 per byte of text before the
+// automaton takes over (65536). Tests set 0 so that small texts reach the automaton too.
+uint64_t special_token_walk_slack();
+void set_special_token_walk_slack(uint64_t bytes);
+
+// Special-token search forward through one text: find(from) answers as the matcher's find, and
+// with long tokens reuses the longest-token lengths of the stretch it last read, so finding every
+// occurrence takes time linear in the text (one search per call re-read the lookahead each time).
+class SpecialTokenFinder {
+ public:
+  SpecialTokenFinder(const SpecialTokenMatcher& matcher, std::string_view text) : matcher_(matcher), text_(text) {}
+  std::pair<size_t, size_t> find(size_t from, Interrupt* interrupt = nullptr);
+
+ private:
+  const SpecialTokenMatcher& matcher_;
+  std::string_view text_;
+  size_t begin_ = 0;               // longest_[k]: the longest token starting at text_[begin_ + k]
+  std::vector<uint32_t> longest_;
+  size_t walks_from_ = 0;          // walks since the last stretch started here
+  uint64_t compared_ = 0;          // and compared this many bytes
 };
 
 // Whether cutting s[0:n) at byte p (0 < p < n) leaves every pre-token unchanged:
