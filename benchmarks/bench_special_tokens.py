@@ -1,7 +1,8 @@
 """Special-token splitting on adversarial text: `regex.split` (CS336's reference) vs trainfast.
 
 Text made of near misses of long special tokens (a run of "a" against "a" * L + "b") makes a
-search that walks each position cost up to L bytes per position. One run times, one thread:
+search that walks each position cost up to L bytes per position; text where an occurrence covers
+every point the pattern could cut at made each cut attempt read a long token's whole reach. One run times, one thread:
   - regex:      regex.split(f"({'|'.join(escaped tokens, longest first)})", text), as CS336 splits
   - trainfast:  pretokenize(text, special_tokens=...) -> list[str], and count_pretokens([bytes])
 and checks that both find the same special-token occurrences. The last row is ordinary text (the
@@ -45,6 +46,7 @@ def cases(quick: bool) -> list[tuple[str, str, list[str]]]:
          ["a" * 2048 + "b", "a" * 2000 + "c", "a" * 1000 + "d"]),
         ("a 64-byte token and a 1 KiB one, 1 MB of `a ` with occurrences", ("a " * 600 + "b") * 830,
          ["a " * 32, "a " * 512 + "b"]),
+        ("`a ` over every cut point, beside a 10 KB token, 1 MB", "a " * 500_000, ["a ", "x" * 10_000]),
     ]
     text = corpus_path("gcide").read_text(encoding="utf-8")[: 2_000_000 if quick else 8_000_000]
     out.append(("ordinary text: gcide with an end-of-text token every ~4 KB", EOT.join(

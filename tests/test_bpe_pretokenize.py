@@ -376,6 +376,40 @@ def test_long_special_tokens_over_many_stretches(special_token_search, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_text_densely_covered_by_special_tokens(special_token_search, tmp_path, name):
+    # Every point the pattern would cut at lies inside an occurrence of "a " or "a a", beside a long
+    # token: the cuts skip occurrences through a cover kept as they move, not one reach per point.
+    specials = ["a ", "a a", "<" + "x" * 100 + ">"]
+    text = ("a " * 300 + "b\n" + "<" + "x" * 99 + "a " * 7) * 60
+    expected = ref.count_pretokens([text], name, specials)
+    for num_threads, chunk_bytes in [(1, 1), (2, 1000), (7, 1 << 20)]:
+        counter = _core.BpePretokenCounter(NATIVE_ID[name], specials, 0, num_threads, chunk_bytes=chunk_bytes)
+        counter.add_documents([text])
+        assert counter.finish() == expected
+    path = tmp_path / "doc.txt"
+    path.write_text(text)
+    counter = _core.BpePretokenCounter(NATIVE_ID[name], specials, 0, 2, chunk_bytes=1, block_bytes=500)
+    counter.add_file(str(path))
+    assert counter.finish() == expected
+
+
+@pytest.mark.parametrize("errors", ["replace", "ignore"])
+def test_file_blocks_cut_near_invalid_bytes_with_a_long_special_token(tmp_path, errors):
+    # A block's end is moved past windows (a special token's reach each side) holding invalid
+    # bytes or "\r"; it may skip safe points there, never take an unsafe one.
+    specials = ["Q" * 300, "a a", "\ufffd" * 3]
+    data = (b"a " * 200 + b"\xff" + b"QQ" * 80 + b"\r\n" + "\ufffd\ufffd".encode() + b"\xc3") * 300
+    path = tmp_path / "doc.txt"
+    path.write_bytes(data)
+    expected = ref.count_pretokens([ref.read_text(path, errors)], "gpt2", specials)
+    for block_bytes in (16, 1000, 1 << 20):
+        counter = _core.BpePretokenCounter(0, specials, ["strict", "replace", "ignore"].index(errors), 2,
+                                           chunk_bytes=1, block_bytes=block_bytes)
+        counter.add_file(str(path))
+        assert counter.finish() == expected
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_count_every_safe_split_point_seeded(name):
     rng = random.Random(99 + NATIVE_ID[name])
     docs = [_random_text(rng, 400) for _ in range(300)]

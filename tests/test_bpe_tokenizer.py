@@ -275,6 +275,20 @@ def test_long_special_tokens_among_near_misses(special_token_search, monkeypatch
     assert list(tok.encode_iterable(chunks)) == ids
 
 
+def test_encode_iterable_through_text_densely_covered_by_special_tokens(special_token_search, monkeypatch):
+    # The streaming cut looks back past 64 occurrences at most, then finds the last safe point in
+    # one forward pass: here every point before the stream's end is inside "a " or "a a".
+    monkeypatch.setattr(tokenizer_module, "_STREAM_CHARS", 64)
+    specials = ["a ", "a a", "<" + "x" * 100 + ">"]
+    vocab = {b: bytes([b]) for b in range(256)} | {256 + k: s.encode() for k, s in enumerate(specials)}
+    tok, oracle = Tokenizer(vocab, [], specials), ReferenceTokenizer(vocab, [], specials)
+    text = ("a " * 500 + "b. " + "<" + "x" * 100 + "> ") * 20
+    ids = oracle.encode(text)
+    assert tok.encode(text) == ids
+    for size in (61, 997, 5000):
+        assert list(tok.encode_iterable(text[k:k + size] for k in range(0, len(text), size))) == ids
+
+
 @pytest.mark.parametrize("line", ["12,345,6789\n", "3.14 2.72 1.41\n", "== ** ==\r\n"])
 def test_encode_iterable_holds_a_bounded_window_of_text_without_letters(gpt2, monkeypatch, line):
     # Numbers and punctuation only: no "<space><letter>" to cut at, yet the window stays bounded.

@@ -518,12 +518,16 @@ size_t BpeEncoder::safe_cut(std::string_view text, Interrupt* interrupt) const {
   const size_t n = text.size();
   const size_t reach = specials_.empty() ? 0 : specials_.max_length() - 1;
   if (n < reach + 3) return 0;
+  // Text without letters (numbers, CSV) has no regex_boundary; a pre-token-safe cut serves too.
+  auto pattern_safe = [&](size_t p) { return regex_boundary(s, n, p) || is_safe_cut(pattern_, s, p, n); };
   // Every special token starting before the cut must end inside the text (n - reach).
   size_t p = n - reach - 1;
-  for (uint64_t steps = 1; p >= 2; ++steps) {
+  // Backwards, past at most a few special-token occurrences: each straddling() reads a long
+  // token's whole reach.
+  int num_occurrences = 0;
+  for (uint64_t steps = 1; p >= 2 && num_occurrences < 64; ++steps) {
     if (interrupt != nullptr && (steps & 0xFFFFF) == 0) interrupt->check();
-    // Text without letters (numbers, CSV) has no regex_boundary; a pre-token-safe cut serves too.
-    if (!regex_boundary(s, n, p) && !is_safe_cut(pattern_, s, p, n)) {
+    if (!pattern_safe(p)) {
       --p;
       continue;
     }
@@ -531,8 +535,17 @@ size_t BpeEncoder::safe_cut(std::string_view text, Interrupt* interrupt) const {
     const size_t first_start = specials_.empty() ? p : specials_.straddling(text, p).first;
     if (first_start == p) return p;
     p = first_start;
+    ++num_occurrences;
   }
-  return 0;
+  if (p < 2) return 0;
+  // Text densely covered by special tokens: one forward pass keeps the last safe point up to p.
+  SpecialTokenCover cover(specials_, text);
+  size_t last_safe = 0;
+  for (size_t q = 2; q <= p; ++q) {
+    if (interrupt != nullptr && (q & 0xFFFFF) == 0) interrupt->check();
+    if (pattern_safe(q) && cover.covered_until(q, interrupt) == q) last_safe = q;
+  }
+  return last_safe;
 }
 
 }  // namespace trainfast::bpe

@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <ranges>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #if defined(__SSE2__)
@@ -1272,7 +1273,8 @@ std::pair<size_t, size_t> SpecialTokenMatcher::straddling(std::string_view text,
   };
   // Walks from each possible start, unless they compare more than a few times the reach (text
   // full of near misses of a long token): then one automaton pass over twice the reach.
-  const uint64_t budget = reverse_.empty() ? UINT64_MAX : 4 * static_cast<uint64_t>(p - lo) + special_token_walk_slack();
+  const uint64_t budget =
+      reverse_.empty() ? UINT64_MAX : 4 * static_cast<uint64_t>(p - lo) + std::min<uint64_t>(special_token_walk_slack(), 1u << 30);
   uint64_t compared = 0;
   for (size_t start = next_candidate(s, lo, p); start < p; start = next_candidate(s, start + 1, p)) {
     walk(s, start, n, [&](size_t end) {
@@ -1315,7 +1317,7 @@ std::pair<size_t, size_t> SpecialTokenFinder::find(size_t from, Interrupt* inter
     if (i >= n) break;
     // Walks compare a few bytes per byte of text, or the stretch's automaton pass (about 1.5
     // bytes read per byte) takes over from here: linear time either way.
-    if (compared_ > 4 * static_cast<uint64_t>(i - walks_from_) + slack) {
+    if (compared_ > slack && compared_ - slack > 4 * static_cast<uint64_t>(i - walks_from_)) {
       begin_ = i;
       longest_.assign(std::min(stretch, n - i), 0);
       m.visit_longest(s, n, begin_, begin_ + longest_.size(), [&](size_t k, uint32_t length) {
@@ -1331,6 +1333,27 @@ std::pair<size_t, size_t> SpecialTokenFinder::find(size_t from, Interrupt* inter
     from = i + 1;
   }
   return {n, 0};
+}
+
+size_t SpecialTokenCover::covered_until(size_t p, Interrupt* interrupt) {
+  if (matcher_.empty() || p == 0 || p >= n_) return p;
+  // Only occurrences starting in [p - max_length + 1, p) can reach past p.
+  const size_t lo = p + 1 > matcher_.max_length() ? p + 1 - matcher_.max_length() : 0;
+  if (scanned_ < lo) {
+    scanned_ = lo;
+    if (next_start_ != SIZE_MAX && next_start_ < lo) next_start_ = SIZE_MAX;
+  }
+  while (true) {
+    if (next_start_ == SIZE_MAX) {
+      if (scanned_ >= p) break;
+      std::tie(next_start_, next_length_) = finder_.find(scanned_, interrupt);  // {n, 0}: none left
+    }
+    if (next_start_ >= p) break;
+    max_end_ = std::max(max_end_, next_start_ + next_length_);
+    scanned_ = next_start_ + 1;
+    next_start_ = SIZE_MAX;
+  }
+  return max_end_ > p ? max_end_ : p;
 }
 
 bool is_safe_cut(Pattern pattern, const uint8_t* s, size_t p, size_t n) {
@@ -1520,15 +1543,16 @@ struct PretokenCounter::Impl {
   // The first safe cut of s[0:n) in [p, limit) (the pattern's rule, and no special token covers
   // it), or limit when there is none. An occurrence of a special token over the point is skipped
   // whole (no point inside it is safe): byte by byte, a long token's reach was read at each byte.
-  size_t next_safe_split(const uint8_t* s, size_t p, size_t limit, size_t n, Interrupt* interrupt) const {
-    const std::string_view text(reinterpret_cast<const char*>(s), n);
+  // `cover` is over s[0:n), asked at increasing points.
+  size_t next_safe_split(const uint8_t* s, size_t p, size_t limit, size_t n, SpecialTokenCover& cover,
+                         Interrupt* interrupt) const {
     for (uint64_t steps = 1; p < limit; ++steps) {
       if (interrupt != nullptr && (steps & 0xFFFFF) == 0) interrupt->check();  // text without a safe cut
       if (!is_safe_cut(options.pattern, s, p, n)) {
         ++p;
         continue;
       }
-      const size_t past = specials.straddling(text, p).second;
+      const size_t past = cover.covered_until(p, interrupt);
       if (past == p) return p;
       p = past;
     }
@@ -1540,7 +1564,7 @@ struct PretokenCounter::Impl {
   // next_safe_split's rules, the character before p is valid UTF-8 (so it decodes to itself, and
   // no invalid sequence reaches p), and with special tokens the bytes around p that an occurrence
   // covering p-1 and p could use are clean (decode to themselves).
-  size_t raw_safe_split_from(const uint8_t* s, size_t p, size_t n) const {
+  size_t raw_safe_split_from(const uint8_t* s, size_t p, size_t n, SpecialTokenCover& cover) const {
     if (s[p] >= 0x80) return p + 1;
     size_t q = p - 1;
     while (q > 0 && p - q < 4 && (s[q] & 0xC0) == 0x80) --q;
@@ -1554,10 +1578,12 @@ struct PretokenCounter::Impl {
       while (lo > 0 && (s[lo] & 0xC0) == 0x80) --lo;
       size_t hi = std::min(n, p + reach);
       while (hi < n && (s[hi] & 0xC0) == 0x80) ++hi;
-      if (!is_clean_utf8(s + lo, hi - lo)) return p + 1;
+      // Past an unclean window by half the reach: some points skipped may have been safe, which
+      // only lengthens the block, while retrying the next point read the window again per byte.
+      if (!is_clean_utf8(s + lo, hi - lo)) return p + std::max<size_t>(1, reach / 2);
     }
     // Inside an occurrence no point is safe: past its end is the next one to try.
-    return specials.straddling(std::string_view(reinterpret_cast<const char*>(s), n), p).second;
+    return cover.covered_until(p);
   }
 
   // Decodes and counts one block of raw file bytes that starts and ends at raw-safe cuts.
@@ -1623,8 +1649,9 @@ struct PretokenCounter::Impl {
   size_t cut(const uint8_t* s, size_t n, size_t limit, std::vector<Chunk>& chunks, size_t searched = 0,
              Interrupt* interrupt = nullptr) const {
     size_t start = 0;
+    SpecialTokenCover cover(specials, std::string_view(reinterpret_cast<const char*>(s), n));
     while (start + options.chunk_bytes < limit) {
-      const size_t p = next_safe_split(s, std::max(start + options.chunk_bytes, searched), limit, n, interrupt);
+      const size_t p = next_safe_split(s, std::max(start + options.chunk_bytes, searched), limit, n, cover, interrupt);
       if (p >= limit) break;
       chunks.push_back({s + start, p - start});
       start = p;
@@ -1811,16 +1838,19 @@ void PretokenCounter::add_file(const std::string& path, Interrupt* interrupt, st
     const auto* file = static_cast<const uint8_t*>(mapping.data);
     const size_t size = mapping.size;
     std::string buffer;
+    SpecialTokenCover cover(impl.specials, std::string_view(reinterpret_cast<const char*>(file), size));
     for (size_t start = 0; start < size;) {
       size_t end = size;
       if (size - start > impl.options.block_bytes) {
         end = start + impl.options.block_bytes;
+        // A step reads up to a special token's reach: with long tokens Ctrl-C is polled at each.
+        const uint64_t poll_mask = impl.specials.max_length() > SpecialTokenMatcher::kLongToken ? 0 : 0xFFFF;
         for (uint64_t steps = 1; end < size; ++steps) {
-          const size_t next = impl.raw_safe_split_from(file, end, size);
+          const size_t next = impl.raw_safe_split_from(file, end, size, cover);
           if (next == end) break;
           end = std::min(next, size);
           // Text without a safe cut (one huge pre-token) is scanned to its end: Ctrl-C stays live.
-          if (interrupt != nullptr && (steps & 0xFFFFF) == 0) interrupt->check();
+          if (interrupt != nullptr && (steps & poll_mask) == 0) interrupt->check();
         }
       }
       impl.count_raw_block(file + start, end - start, static_cast<int64_t>(start), path, buffer, interrupt,

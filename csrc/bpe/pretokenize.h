@@ -137,8 +137,31 @@ class SpecialTokenFinder {
   std::string_view text_;
   size_t begin_ = 0;               // longest_[k]: the longest token starting at text_[begin_ + k]
   std::vector<uint32_t> longest_;
-  size_t walks_from_ = 0;          // walks since the last stretch started here
+  size_t walks_from_ = SIZE_MAX;   // walks since the last stretch (or the first call) started here
   uint64_t compared_ = 0;          // and compared this many bytes
+};
+
+// Which points of one text an occurrence of a special token covers, asked for points in
+// increasing order: the furthest end of the occurrences that start before the point, kept as the
+// point moves, so asking at every point of a text costs time linear in it however long the tokens
+// (straddling() reads a long token's whole reach at each point: text densely covered by a short
+// token, with a 10 KB token beside it, took 25 s per MB).
+class SpecialTokenCover {
+ public:
+  SpecialTokenCover(const SpecialTokenMatcher& matcher, std::string_view text)
+      : matcher_(matcher), finder_(matcher, text), n_(text.size()) {}
+  // As matcher.straddling(text, p).second: the furthest end of the occurrences that cover p - 1
+  // and p, or p when none does. p must not decrease from one call to the next.
+  size_t covered_until(size_t p, Interrupt* interrupt = nullptr);
+
+ private:
+  const SpecialTokenMatcher& matcher_;
+  SpecialTokenFinder finder_;
+  size_t n_;
+  size_t scanned_ = 0;                    // occurrences starting below this are in max_end_
+  size_t next_start_ = SIZE_MAX;          // the first occurrence at or after scanned_, if looked up
+  size_t next_length_ = 0;
+  size_t max_end_ = 0;
 };
 
 // Whether cutting s[0:n) at byte p (0 < p < n) leaves every pre-token unchanged:
