@@ -55,7 +55,6 @@ class SpecialTokenMatcher {
   // the last end of any of them}; {p, p} when there is none. No cut between them is safe, so a
   // caller looking for one moves past them at once.
   std::pair<size_t, size_t> straddling(std::string_view text, size_t p) const;
-  bool straddles(std::string_view text, size_t p) const { return straddling(text, p).second > p; }
 
  private:
   friend class SpecialTokenFinder;
