@@ -13,27 +13,16 @@ median of the repeats.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import markdown_table, parse_args, write_section  # noqa: E402
+from _common import markdown_table, parse_args, timeit, write_section  # noqa: E402
 from bench_pretokenize import corpus_path  # noqa: E402
 
 from trainfast.bpe import count_pretokens, pretokenize  # noqa: E402
 
 EOT = "<|endoftext|>"
-
-
-def median_seconds(fn, repeats: int) -> tuple[object, float]:
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
 
 
 def cases(quick: bool) -> list[tuple[str, str, list[str]]]:
@@ -63,10 +52,10 @@ def main() -> None:
     for label, text, specials in cases(args.quick):
         pattern = regex.compile("(" + "|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")")
         # The reference is slow here by design: once is enough where it takes seconds.
-        parts, regex_s = median_seconds(lambda: pattern.split(text), 1)
-        pieces, pretok_s = median_seconds(lambda: pretokenize(text, special_tokens=specials), repeats)
+        parts, regex_s = timeit(lambda: pattern.split(text), repeats=1)
+        pieces, pretok_s = timeit(lambda: pretokenize(text, special_tokens=specials), repeats=repeats)
         data = text.encode()
-        _, count_s = median_seconds(lambda: count_pretokens([data], special_tokens=specials, num_threads=1), repeats)
+        _, count_s = timeit(lambda: count_pretokens([data], special_tokens=specials, num_threads=1), repeats=repeats)
         special_set = set(specials)
         expected = parts[1::2]
         got = [p for p in pieces if p in special_set]

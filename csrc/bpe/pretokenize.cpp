@@ -1124,7 +1124,7 @@ SpecialTokenMatcher::SpecialTokenMatcher(std::vector<std::string> special_tokens
 // node's is the longest proper suffix of its bytes that is also a node. Breadth first, a node's
 // failure target and that target's own links are complete before the node is reached.
 void SpecialTokenMatcher::build_reverse_automaton(const std::vector<std::string>& sorted_tokens) {
-  std::vector<std::string> reversed(sorted_tokens.rbegin(), sorted_tokens.rend());
+  std::vector<std::string> reversed = sorted_tokens;
   for (std::string& token : reversed) std::reverse(token.begin(), token.end());
   std::sort(reversed.begin(), reversed.end());
   ReverseAutomaton& a = reverse_;
