@@ -923,11 +923,11 @@ class alignas(128) CountTable {
   void clear() { *this = CountTable(); }
 
   // Sizes an empty table for about `input_bytes` of text, so it need not grow (rehash) step by
-  // step from a few thousand slots: about one slot per 128 bytes (English has ~1 unique
+  // step from a few thousand slots: about one slot per `bytes_per_slot` (English has ~1 unique
   // pre-token per 120 bytes at 40 MB, and fewer per byte beyond), at most 2^20 slots up front.
-  void reserve_for(size_t input_bytes) {
+  void reserve_for(size_t input_bytes, size_t bytes_per_slot) {
     if (!order_.empty()) return;
-    const int bits = std::clamp(static_cast<int>(std::bit_width(input_bytes / 128)), kInitialBits, 20);
+    const int bits = std::clamp(static_cast<int>(std::bit_width(input_bytes / bytes_per_slot)), kInitialBits, 20);
     if (slots_.size() == 0) {
       wanted_bits_ = std::max(wanted_bits_, bits);
     } else if (bits > 32 - shift_) {
@@ -1527,12 +1527,16 @@ struct PretokenCounter::Impl {
     tables.resize(options.num_threads);
   }
 
-  // Each worker sees its share of the text, whose unique keys grow sublinearly with it: one or two
-  // tables are sized for the whole input (half of gcide holds ~3/4 of its keys), more for twice
-  // their share, so the up-front memory stays about that of two tables for any thread count.
+  // Each worker sees its share of the text, whose unique keys grow sublinearly with it: two tables
+  // are sized for the whole input (half of gcide holds ~3/4 of its keys), more for twice their
+  // share, so the up-front memory stays about that of two tables for any thread count. A single
+  // table gets twice the room, for text in other scripts (multilingual.txt has a new key per 83
+  // bytes: growing once, past 3/4 of 2^18 slots, took 5-6% of its one-thread count), which more
+  // tables do not get: the merge walks all their slots.
   void reserve_tables(size_t input_bytes) {
-    const size_t share = tables.size() <= 2 ? input_bytes : input_bytes / tables.size() * 2;
-    for (CountTable& table : tables) table.reserve_for(share);
+    if (tables.size() == 1) return tables[0].reserve_for(input_bytes, 64);
+    const size_t share = tables.size() == 2 ? input_bytes : input_bytes / tables.size() * 2;
+    for (CountTable& table : tables) table.reserve_for(share, 128);
   }
 
   struct Chunk {
