@@ -1530,11 +1530,13 @@ struct PretokenCounter::Impl {
   // Each worker sees its share of the text, whose unique keys grow sublinearly with it: two tables
   // are sized for the whole input (half of gcide holds ~3/4 of its keys), more for twice their
   // share, so the up-front memory stays about that of two tables for any thread count. A single
-  // table gets twice the room, for text in other scripts (multilingual.txt has a new key per 83
-  // bytes: growing once, past 3/4 of 2^18 slots, took 5-6% of its one-thread count), which more
-  // tables do not get: the merge walks all their slots.
+  // table gets room for text in other scripts (a new key per 83 bytes of multilingual.txt), which
+  // would cost more tables more than it saves: the merge walks all their slots.
   void reserve_tables(size_t input_bytes) {
-    if (tables.size() == 1) return tables[0].reserve_for(input_bytes, 64);
+    if (tables.size() == 1) {
+      tables[0].reserve_for(input_bytes, 64);
+      return;
+    }
     const size_t share = tables.size() == 2 ? input_bytes : input_bytes / tables.size() * 2;
     for (CountTable& table : tables) table.reserve_for(share, 128);
   }
