@@ -1244,6 +1244,14 @@ std::atomic<uint64_t> walk_slack{65536};
 uint64_t special_token_walk_slack() { return walk_slack.load(std::memory_order_relaxed); }
 void set_special_token_walk_slack(uint64_t bytes) { walk_slack.store(bytes, std::memory_order_relaxed); }
 
+namespace {
+// The rule that hands a search over to the automaton: its walks compared more than 4 bytes per
+// byte of the `span` of text they covered, beyond `slack`.
+bool walks_over_budget(uint64_t compared, uint64_t span, uint64_t slack) {
+  return compared > slack && compared - slack > 4 * span;
+}
+}  // namespace
+
 std::pair<size_t, size_t> SpecialTokenMatcher::find(std::string_view text, size_t from, Interrupt* interrupt) const {
   const size_t n = text.size();
   if (empty()) return {n, 0};
@@ -1273,15 +1281,14 @@ std::pair<size_t, size_t> SpecialTokenMatcher::straddling(std::string_view text,
   };
   // Walks from each possible start, unless they compare more than a few times the reach (text
   // full of near misses of a long token): then one automaton pass over twice the reach.
-  const uint64_t budget =
-      reverse_.empty() ? UINT64_MAX : 4 * static_cast<uint64_t>(p - lo) + std::min<uint64_t>(special_token_walk_slack(), 1u << 30);
+  const uint64_t slack = special_token_walk_slack();
   uint64_t compared = 0;
   for (size_t start = next_candidate(s, lo, p); start < p; start = next_candidate(s, start + 1, p)) {
     walk(s, start, n, [&](size_t end) {
       take(start, end);
       return false;
     }, &compared);
-    if (compared > budget) {
+    if (!reverse_.empty() && walks_over_budget(compared, p - lo, slack)) {
       first_start = last_end = p;
       visit_longest(s, n, lo, p, [&](size_t i, uint32_t length) {
         take(i, i + length);
@@ -1317,7 +1324,7 @@ std::pair<size_t, size_t> SpecialTokenFinder::find(size_t from, Interrupt* inter
     if (i >= n) break;
     // Walks compare a few bytes per byte of text, or the stretch's automaton pass (about 1.5
     // bytes read per byte) takes over from here: linear time either way.
-    if (compared_ > slack && compared_ - slack > 4 * static_cast<uint64_t>(i - walks_from_)) {
+    if (walks_over_budget(compared_, i - walks_from_, slack)) {
       begin_ = i;
       longest_.assign(std::min(stretch, n - i), 0);
       m.visit_longest(s, n, begin_, begin_ + longest_.size(), [&](size_t k, uint32_t length) {
