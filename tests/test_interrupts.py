@@ -1,7 +1,7 @@
 """Ctrl-C (SIGINT) stops every long plan within 1 s with KeyboardInterrupt and leaves no thread behind
-(issue: hardening). Each case is sized to take several seconds uninterrupted on a 2-core machine and
-is interrupted ~0.2 s in; a call that finishes before the first signal fails the test (no
-KeyboardInterrupt), so the sizes must stay large.
+(issue: hardening). Each case is sized to take over a second uninterrupted on a 2-core machine (most
+take several) and is interrupted ~0.2 s in; a call that finishes before the first signal fails the
+test (no KeyboardInterrupt), so the sizes must stay large, and grow when the code gets faster.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _random_text(num_bytes: int, seed: int = 0) -> str:
     return letters[rng.integers(0, len(letters), num_bytes)].tobytes().decode()
 
 
-def _word_counts(num_words: int = 200_000) -> dict[bytes, int]:
+def _word_counts(num_words: int = 400_000) -> dict[bytes, int]:
     import random
 
     rng = random.Random(0)
@@ -66,8 +66,8 @@ def _word_counts(num_words: int = 200_000) -> dict[bytes, int]:
 
 @pytest.fixture(scope="module")
 def big_layout():
-    # A 16384-way data-parallel plan of 40,000 single-parameter buckets: every rank scans every bucket.
-    return buckets.plan_layout([1] * 40_000, bucket_size=1, data_parallel_world_size=16_384)
+    # A 16384-way data-parallel plan of 80,000 single-parameter buckets: every rank scans every bucket.
+    return buckets.plan_layout([1] * 80_000, bucket_size=1, data_parallel_world_size=16_384)
 
 
 def test_shard_ranges(sigint_repeatedly, big_layout):
@@ -95,7 +95,7 @@ def test_eplb_helpers(sigint_repeatedly):
 
 
 def test_rebalance_experts(sigint_repeatedly):
-    weight = torch.rand(60_000, 256, generator=torch.Generator().manual_seed(0))
+    weight = torch.rand(120_000, 256, generator=torch.Generator().manual_seed(0))
     eplb.rebalance_experts(weight[:2000], 288, 8, 4, 32, num_threads=2)  # starts torch's own thread pool
     _assert_stops_cleanly(sigint_repeatedly, lambda: eplb.rebalance_experts(weight, 288, 8, 4, 32, num_threads=2))
 
@@ -103,7 +103,7 @@ def test_rebalance_experts(sigint_repeatedly):
 @pytest.mark.parametrize("balance", ["upstream", "refined"])
 def test_assign_bins(sigint_repeatedly, balance):
     rng = np.random.default_rng(0)
-    num_items = 5_000_000 if balance == "upstream" else 1_000_000  # refined: minutes uninterrupted
+    num_items = 10_000_000 if balance == "upstream" else 1_000_000  # refined: minutes uninterrupted
     sizes = rng.integers(1, 10**9, num_items)
     is_bytes = rng.random(num_items) < 0.01
     checkpoint.assign_bins(is_bytes[:10], sizes[:10], 3, balance=balance)
@@ -235,9 +235,20 @@ def test_encode_one_long_pretoken(sigint_repeatedly):
     _assert_stops_cleanly(sigint_repeatedly, lambda: tokenizer.encode("a" * (8 << 20)))
 
 
-def test_encode_searching_long_special_tokens(sigint_repeatedly):
-    # Every position of the text starts with 64 KB of the special token's prefix: the search for the
-    # next special token itself takes minutes, and polls.
+@pytest.fixture
+def walks_only():
+    """Special-token search by trie walks alone: the automaton that normally takes over from walks
+    comparing too much (and makes the search linear) never does."""
+    before = _core._special_token_walk_slack()
+    _core._set_special_token_walk_slack(1 << 62)
+    yield
+    _core._set_special_token_walk_slack(before)
+
+
+def test_encode_searching_long_special_tokens(sigint_repeatedly, walks_only):
+    # Every position of the text starts with 64 KB of the special token's prefix: with walks alone the
+    # search for the next special token compares 64 KB per byte, ~20 s for 8 MB, and must poll. (The
+    # automaton would find it in a fraction of a second, before the first signal.)
     vocab = {i: bytes([i]) for i in range(256)}
     tokenizer = bpe.Tokenizer(vocab, [], ["a" * 65536 + "b"])
     tokenizer.encode("a" * 10_000)
