@@ -96,3 +96,18 @@ def test_demo_runs_and_every_comparison_is_identical():
         assert any(line.startswith(section) for line in out.stdout.splitlines()), (section, out.stdout)
     assert out.stdout.count("identical=True") >= 6 and "identical=False" not in out.stdout, out.stdout
     assert "same counts=True" in out.stdout and "round trip decode(encode(text)) == text: True" in out.stdout
+
+
+def test_package_source_needs_no_python_newer_than_pyproject_says():
+    """pyproject.toml promises Python 3.9, and CI runs only 3.11: vermin checks the package's own
+    source against the promise, as far as it can see (syntax, standard-library modules, functions
+    and arguments by name; not a method called on a value whose type it cannot tell)."""
+    pytest.importorskip("vermin")
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    oldest = pyproject["project"]["requires-python"].removeprefix(">=")
+    package = Path(trainfast.__file__).parent
+    run_vermin = "import sys, vermin; sys.exit(vermin.main())"  # no `python -m vermin`
+    out = subprocess.run([sys.executable, "-c", run_vermin, "--no-tips", "--violations", "--no-parse-comments",
+                          f"-t={oldest}-", str(package)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
