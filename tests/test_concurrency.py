@@ -248,11 +248,12 @@ def _long_assign_bins():
 def _long_rebalance():
     import torch
 
-    weight = torch.from_numpy(np.random.default_rng(0).lognormal(0, 1, (2000, 256)).astype(np.float32))
+    weight = torch.from_numpy(np.random.default_rng(0).lognormal(0, 1, (20_000, 256)).astype(np.float32))
     return lambda: eplb.rebalance_experts(weight, 320, 8, 4, 64, num_threads=1)
 
 
-# Calls of about a second each here; each builds its input first, outside the timed window.
+# Calls of 0.4 s or more each here (a shorter one makes an ordinary scheduling pause look
+# like a held GIL); each builds its input first, outside the timed window.
 _LONG_CALLS = {"pipeline.balanced_layout": _long_balanced_layout, "checkpoint.assign_bins": _long_assign_bins,
                "eplb.rebalance_experts": _long_rebalance, "bpe.train_from_counts": _long_bpe_merges}
 
