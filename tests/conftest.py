@@ -136,15 +136,22 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"  {line}", red=True)
 
 
-@pytest.fixture(params=["walks", "automaton"])
-def special_token_search(request):
-    """Runs a test twice: special tokens found by trie walks (the default on short texts), and by
-    the reverse automaton that takes over from walks comparing too much (slack 0 sends small texts
-    with tokens over 64 bytes there)."""
+@pytest.fixture
+def walk_slack():
+    """A setter of the bytes special-token walks may compare before the reverse automaton takes
+    over (process-wide), restored after the test."""
     from trainfast import _core
 
     before = _core._special_token_walk_slack()
-    if request.param == "automaton":
-        _core._set_special_token_walk_slack(0)
-    yield request.param
+    yield _core._set_special_token_walk_slack
     _core._set_special_token_walk_slack(before)
+
+
+@pytest.fixture(params=["walks", "automaton"])
+def special_token_search(request, walk_slack):
+    """Runs a test twice: special tokens found by trie walks (the default on short texts), and by
+    the reverse automaton that takes over from walks comparing too much (slack 0 sends small texts
+    with tokens over 64 bytes there)."""
+    if request.param == "automaton":
+        walk_slack(0)
+    return request.param

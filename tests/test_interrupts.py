@@ -237,13 +237,10 @@ def test_encode_one_long_pretoken(sigint_repeatedly):
 
 
 @pytest.fixture
-def walks_only():
+def walks_only(walk_slack):
     """Special-token search by trie walks alone: the automaton that normally takes over from walks
     comparing too much (and makes the search linear) never does."""
-    before = _core._special_token_walk_slack()
-    _core._set_special_token_walk_slack(1 << 62)
-    yield
-    _core._set_special_token_walk_slack(before)
+    walk_slack(1 << 62)
 
 
 def test_encode_searching_long_special_tokens(sigint_repeatedly, walks_only):
