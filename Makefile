@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip -q
 CONSTRAINTS := .ci/constraints.txt
 BUILD_DEPS := scikit-build-core pybind11 ninja
-TEST_DEPS := pytest hypothesis regex megatron-core tiktoken tokenizers matplotlib vermin
+TEST_DEPS := pytest hypothesis regex megatron-core tiktoken tokenizers matplotlib vermin mypy
 BENCH_DEPS := tokenizers tiktoken rustbpe
 # The newest megatron-core lives in a side directory (two releases cannot share one process); the
 # bucket tests and benchmark run it in a subprocess with this on PYTHONPATH.

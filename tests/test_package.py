@@ -111,3 +111,14 @@ def test_package_source_needs_no_python_newer_than_pyproject_says():
     out = subprocess.run([sys.executable, "-c", run_vermin, "--no-tips", "--violations", "--no-parse-comments",
                           f"-t={oldest}-", str(package)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_package_type_checks(tmp_path):
+    """The package ships py.typed, so its annotations are what users' type checkers see: mypy (the
+    settings in pyproject.toml) must find no error in the copy under test, stub included."""
+    pytest.importorskip("mypy")
+    package = Path(trainfast.__file__).parent
+    config = Path(__file__).parents[1] / "pyproject.toml"
+    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir", str(tmp_path),
+                          "--no-error-summary", str(package)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

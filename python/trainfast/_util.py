@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "UpstreamAssertionError",
@@ -136,7 +137,7 @@ class Progress:
         self._logger = logger
         self._describe = describe or (lambda done: f"{done:,}{f'/{total:,}' if total else ''} {unit.strip()}")
         self._last_log = time.monotonic()
-        self.bar = None
+        self.bar: Any = None  # a tqdm bar (tqdm has no type information)
 
         def open_bar() -> None:
             if sys.stderr.isatty():
@@ -191,7 +192,7 @@ def check_has_data(tensor: Any, name: str) -> None:
 def as_array(
     value: Any,
     name: str,
-    dtype: type | np.dtype,
+    dtype: npt.DTypeLike,
     *,
     kind: str,
     ndim: int | None = 1,
@@ -252,7 +253,7 @@ def as_array(
             raise ValueError(f"{name} has values that do not fit in {target} (max {value.max()})")
         # A flag is "nonzero", not its low byte (256 must not become False).
         value = (value != 0).astype(target) if kind == "bool" else value.astype(target)
-    return np.require(value, requirements="CA")  # a view at an odd byte offset is copied, aligned
+    return np.require(value, requirements=["C", "A"])  # a view at an odd byte offset is copied, aligned
 
 
 def check_ints_fit_int64(values: np.ndarray, name: str) -> None:

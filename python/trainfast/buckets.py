@@ -30,7 +30,7 @@ import functools
 import math
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -110,7 +110,7 @@ def _dataclasses() -> tuple[Any, Any, Any]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # megatron's import-time notices (no TE/Apex, ...)
-                from megatron.core.optimizer import param_layout  # type: ignore[import-not-found]
+                from megatron.core.optimizer import param_layout
             return param_layout.BufferKey, param_layout.PerBufferParamLayout, param_layout.FullParamLayout
         except ImportError:
             pass
@@ -246,9 +246,9 @@ class ParamLayout:
         shown = min(num_buckets, max_buckets)
         if shown:
             counts = np.bincount(ids, minlength=num_buckets).tolist()
-            in_params = np.zeros(num_buckets, dtype=np.int64)
-            np.add.at(in_params, ids, ends - starts)
-            in_params = in_params.tolist()
+            bucket_param_numel = np.zeros(num_buckets, dtype=np.int64)
+            np.add.at(bucket_param_numel, ids, ends - starts)
+            in_params = bucket_param_numel.tolist()
         for b in range(shown):
             start, end = (int(x) for x in indices[b])
             lines.append(
@@ -502,7 +502,7 @@ def _quantized_storage_check(predicates: list) -> Any:
             and pgb.is_float8tensor is fp8_utils.is_float8tensor and fp8_check
             and getattr(pgb, "is_nvfp4tensor", None) is fp4_utils.is_nvfp4tensor and fp4_check
             and getattr(pgb, names[2], None) is grouped
-            and _genuine(grouped, fp8_utils, names[2], "_unwrap_parameter_data")
+            and grouped is not None and _genuine(grouped, fp8_utils, names[2], "_unwrap_parameter_data")
             and grouped.__code__.co_names[:2] == ("_unwrap_parameter_data", "is_grouped_tensor")
             and _genuine(fp8_utils._unwrap_parameter_data, fp8_utils, "_unwrap_parameter_data", grouped_flag)
             and _genuine(fp8_utils.is_grouped_tensor, fp8_utils, "is_grouped_tensor", grouped_flag)
@@ -568,7 +568,7 @@ def _group_params(param_list: list, grad_reduce_in_fp32: bool, layout_inputs: bo
     predicates = _quantized_predicates()
     check = _quantized_storage_check(predicates)
     # torch.Tensor.nelement, what upstream's param.data.nelement() runs, while it is torch's own method
-    nelement = torch.Tensor.nelement
+    nelement: Callable[[torch.Tensor], int] | None = torch.Tensor.nelement
     if nelement is not getattr(torch._C.TensorBase, "nelement", None) or (
             type(nelement).__name__ != "method_descriptor"):
         nelement = None
@@ -584,8 +584,9 @@ def _group_params(param_list: list, grad_reduce_in_fp32: bool, layout_inputs: bo
     uint8, fp32 = torch.uint8, torch.float
     # A group-by on attributes read once per param: plain tuples as keys (upstream hashes two frozen
     # dataclasses per param), megatron's BufferKey built once per buffer.
-    members: dict = {}
-    counters: dict = {}
+    # key -> (params, param_indices, numels, shared_embedding flags)
+    members: dict[tuple[Any, ...], tuple[list[Any], list[int], list[int], list[bool]]] = {}
+    counters: dict[tuple[Any, ...], int] = {}
     for i, param in enumerate(param_list):
         try:
             if not param.requires_grad:
@@ -737,6 +738,7 @@ def compute_full_param_layout(
     layouts = {}
     for key, (buffer_params, indices, numels, shared) in grouped.items():
         world = expert_dp if key.is_expert_parallel else dp
+        assert world is not None  # checked above for each kind of buffer present
         layouts[key] = _distopt_layout(buffer_params, np.asarray(numels, dtype=np.int64),
                                        np.asarray(shared, dtype=np.uint8), bucket_size, world, ddp_config, indices)
     return _dataclasses()[2](layouts=layouts)
@@ -839,9 +841,11 @@ def build_model_gbuf_param_range_map(param_world_index_map: Mapping, gbuf_world_
 
 def _range_bounds(world_range: Any, bucket_offset: Any) -> tuple[int, int, int]:
     """(start, end, bucket_offset) as int64 values, checked (the native range builder takes int64)."""
-    return tuple(check_int(value, name, min_value=-INT64_MAX - 1, max_value=INT64_MAX) for value, name in (
-        (world_range.start, "gbuf_world_range.start"), (world_range.end, "gbuf_world_range.end"),
-        (bucket_offset, "bucket_offset")))
+    def bound(value: Any, name: str) -> int:
+        return check_int(value, name, min_value=-INT64_MAX - 1, max_value=INT64_MAX)
+
+    return (bound(world_range.start, "gbuf_world_range.start"), bound(world_range.end, "gbuf_world_range.end"),
+            bound(bucket_offset, "bucket_offset"))
 
 
 def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls: Any = None) -> dict:
@@ -880,7 +884,7 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
 
 # buffer -> (its param_index_map, a snapshot of it): the range builder runs once per (rank, bucket)
 # on the same map; the snapshot is re-checked against the dict on every call.
-_SNAPSHOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SNAPSHOTS: weakref.WeakKeyDictionary[Any, tuple[dict[Any, Any], _core.IndexSnapshot]] = weakref.WeakKeyDictionary()
 
 
 def _indexed_range_map(buffer: Any, world_range: Any, bucket_offset: Any, range_type: Any) -> dict | None:
@@ -1011,7 +1015,8 @@ def materialize(
             raise ValueError(f"cannot make a {name}={dtype} buffer on device {str(device)!r} ({reason})") from None
     n = len(param_start)
     numels = (param_end - param_start).tolist()
-    params = None
+    params: list[Any] | None = None
+    shape_list: list[tuple[int, ...]]
     if shapes is None:
         shape_list = [(k,) for k in numels]
     else:
@@ -1043,7 +1048,7 @@ def materialize(
         start, end = starts[i], starts[i] + numels[i]
         grad_views.append(grad_data[start:end].view(shape_list[i]))
         param_views.append(param_data[start:end].view(shape_list[i]) if param_data is not None else None)
-    if bind_main_grad:
+    if params is not None and bind_main_grad:  # (bind_main_grad without params raised above)
         _bind_main_grads(params, grad_views)
     return Materialized(param_data, grad_data, param_views, grad_views)
 

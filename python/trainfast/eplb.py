@@ -92,7 +92,7 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
             raise TypeError(f"{name} must have a real numeric dtype of at most 64 bits (got NumPy {value.dtype})")
         if not value.dtype.isnative:  # torch takes native byte order only
             value = value.astype(value.dtype.newbyteorder("="))
-        return torch.from_numpy(np.require(value, requirements="CA"))  # a view at an odd byte offset: copied
+        return torch.from_numpy(np.require(value, requirements=["C", "A"]))  # a view at an odd byte offset: copied
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise TypeError(f"{name} must be a torch tensor, NumPy array or nested sequence (got {type(value).__name__})")
     if isinstance(value, (list, tuple)) and value and all(isinstance(row, torch.Tensor) for row in value):
@@ -268,20 +268,15 @@ def rebalance_experts(
     refine = check_bool(refine, "refine")
     avoid_gpu_duplicates = check_bool(avoid_gpu_duplicates, "avoid_gpu_duplicates")
     num_logical = tensor.shape[1]
+    # Upstream's global policy is the hierarchical one with one group and one node. SGLang passes
+    # num_groups=None for models without expert groups; the global policy never reads it.
+    groups, nodes = 1, 1
     if enable_hierarchical is None or bool(enable_hierarchical):
-        num_groups = _count(num_groups, "num_groups")
-        num_nodes = _count(num_nodes, "num_nodes")
-        hierarchical = num_groups % num_nodes == 0 if enable_hierarchical is None else True
-    else:
-        # SGLang passes num_groups=None for models without expert groups; its global policy
-        # never reads num_groups or num_nodes.
-        hierarchical = False
-    if hierarchical:
-        _check_hierarchical(num_logical, num_replicas, num_groups, num_nodes, num_gpus, "num_replicas")
-        groups, nodes = num_groups, num_nodes
-    else:  # upstream's global policy
-        _check_hierarchical(num_logical, num_replicas, 1, 1, num_gpus, "num_replicas")
-        groups, nodes = 1, 1
+        checked_groups = _count(num_groups, "num_groups")
+        checked_nodes = _count(num_nodes, "num_nodes")
+        if enable_hierarchical is not None or checked_groups % checked_nodes == 0:
+            groups, nodes = checked_groups, checked_nodes
+    _check_hierarchical(num_logical, num_replicas, groups, nodes, num_gpus, "num_replicas")
     # Checked before the plan is made, which takes seconds at scale.
     previous = None if previous_phy2log is None else _previous_placement(previous_phy2log,
                                                                          (tensor.shape[0], num_replicas))
@@ -422,7 +417,7 @@ def _placement_table(value: Any, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be 2-D (got shape {tuple(value.shape)})")
     if value.dtype.kind == "u" and value.size and value.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{name} has values that do not fit in int64 (max {value.max()})")
-    return np.require(value, dtype=np.int64, requirements="CA")
+    return np.require(value, dtype=np.int64, requirements=["C", "A"])
 
 
 def gpu_loads(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> np.ndarray:
@@ -634,8 +629,8 @@ def _register_torch_op() -> Any:
     @custom_op("trainfast::rebalance_experts", mutates_args=(), device_types=None)
     def rebalance_experts_op(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
                              num_gpus: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        outputs = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
-        return tuple(x.clone() for x in outputs)  # the op owns fresh storage
+        phy2log, log2phy, logcnt = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+        return phy2log.clone(), log2phy.clone(), logcnt.clone()  # the op owns fresh storage
 
     @rebalance_experts_op.register_fake
     def _(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,

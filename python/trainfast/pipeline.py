@@ -133,7 +133,7 @@ class PipelineLayout:
 
     __slots__ = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "stages", "_counts")
 
-    def __init__(self, stages: Sequence[str], pipeline_model_parallel_size: int):
+    def __init__(self, stages: Sequence[str | Sequence[Any]], pipeline_model_parallel_size: int):
         pp = _check_int(pipeline_model_parallel_size, "pipeline_model_parallel_size", min_value=1)
         if isinstance(stages, str) or not isinstance(stages, Sequence):
             raise TypeError(f"stages must be a sequence of stage strings (got {type(stages).__name__})")
@@ -307,7 +307,14 @@ def _stage_from_types(stage: Any, index: int) -> str:
 # Megatron drop-ins
 
 
-def _read_config(config: Any) -> tuple:
+# (num_layers, pp, vpp, first, last, account_for_embedding, account_for_loss): the native planner's
+# arguments; then the layout and mtp_num_layers.
+_MegatronArgs = tuple[int, int, Optional[int], Optional[int], Optional[int], bool, bool]
+_ConfigSpec = tuple[int, int, Optional[int], Optional[int], Optional[int], bool, bool, Optional[PipelineLayout],
+                    Optional[int]]
+
+
+def _read_config(config: Any) -> _ConfigSpec:
     def field(name: str, default: Any = None) -> Any:
         return getattr(config, name, default)
 
@@ -382,7 +389,7 @@ def _validate_layout_config(spec: tuple) -> None:
             )
 
 
-def _megatron_args(spec: tuple) -> tuple:
+def _megatron_args(spec: _ConfigSpec) -> _MegatronArgs:
     return spec[:7]
 
 

@@ -101,11 +101,15 @@ def count_words(
         return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
     if rank != dst:
-        # A negative size announces an error message instead of counts.
-        payload = local.to_bytes() if error is None else f"{type(error).__name__}: {error}".encode("utf-8")
-        size = len(payload) if error is None else -len(payload) - 1
+        if error is None and local is not None:
+            payload = local.to_bytes()
+            size = len(payload)
+        else:  # a negative size announces an error message instead of counts
+            payload = f"{type(error).__name__}: {error}".encode("utf-8")
+            size = -len(payload) - 1
         dist.send(torch.tensor([size], dtype=torch.int64), dst=global_rank(dst), group=group)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
+        # (torch.frombuffer refuses an empty buffer)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
         for start in range(0, len(payload), max_message_bytes):
             dist.send(data[start:start + max_message_bytes].clone(), dst=global_rank(dst), group=group)
         if error is not None:
@@ -120,7 +124,7 @@ def count_words(
         dist.recv(size_tensor, src=global_rank(src), group=group)
         size = int(size_tensor.item())
         buffer = bytearray(size if size >= 0 else -size - 1)
-        view = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else None
+        view = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
         for start in range(0, len(buffer), max_message_bytes):
             chunk = torch.empty(min(max_message_bytes, len(buffer) - start), dtype=torch.uint8)
             dist.recv(chunk, src=global_rank(src), group=group)
@@ -175,6 +179,7 @@ def train_bpe(
             result[0] = ("error", f"{type(local_error).__name__}: {local_error}")
         else:
             try:
+                assert counts is not None  # count_words returns the total on dst
                 result[0] = ("ok", train_from_counts(counts, vocab_size, special_tokens,
                                                      show_progress=show_progress))
             except BaseException as caught:  # every other rank is waiting in the broadcast below

@@ -225,26 +225,28 @@ def to_tiktoken(
             raise ValueError(f"vocab[{token_id}] = {token!r} is neither a byte, a merge result nor a special token; "
                              f"tiktoken would merge into it where we never do")
         ranks[token] = token_id
-    regex = _pattern_regex(pattern)
-    if regex is None:
-        from tiktoken_ext.openai_public import r50k_pat_str as regex
+    pat_str = _pattern_regex(pattern)
+    if pat_str is None:
+        from tiktoken_ext.openai_public import r50k_pat_str
+
+        pat_str = r50k_pat_str
     encoding = tiktoken.Encoding(
         name,
-        pat_str=regex,
+        pat_str=pat_str,
         mergeable_ranks=ranks,
         special_tokens={token: token_to_id[token.encode("utf-8")] for token in special_tokens},
     )
     # tiktoken tries special tokens in an order of its own, not longest first. Where one is a prefix
     # of another, the longer must win on its own text; then it wins everywhere (the tokens matching
     # at one position are all prefixes of each other).
-    for token in special_tokens:
-        if not any(other != token and token.startswith(other) for other in special_tokens):
+    for special in special_tokens:
+        if not any(other != special and special.startswith(other) for other in special_tokens):
             continue
-        ids = encoding.encode(token, allowed_special="all")
-        if ids != [token_to_id[token.encode("utf-8")]]:
+        ids = encoding.encode(special, allowed_special="all")
+        if ids != [token_to_id[special.encode("utf-8")]]:
             # Name the prefix tiktoken actually matched (with several prefixes, not necessarily the first listed).
             matched = encoding.decode_single_token_bytes(ids[0]).decode("utf-8")
-            raise ValueError(f"special token {token!r} starts with special token {matched!r}, and tiktoken "
+            raise ValueError(f"special token {special!r} starts with special token {matched!r}, and tiktoken "
                              f"matches the shorter one there (its order, not longest first): its ids would "
                              f"differ from ours")
     return ranks, encoding

@@ -21,9 +21,14 @@ import re
 import stat
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from trainfast._util import Progress, check_bool, check_choice, resolve_num_threads
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeGuard
+
+    from trainfast import _core
 
 __all__ = ["PATTERNS", "count_pretokens", "pretokenize"]
 
@@ -235,7 +240,7 @@ class _Progress(Progress):
         super().close()
 
 
-def _is_path(value: Any) -> bool:
+def _is_path(value: object) -> TypeGuard[str | os.PathLike[str]]:
     return isinstance(value, (str, os.PathLike))
 
 
@@ -247,7 +252,6 @@ def count_pretokens(
     num_threads: int | None = None,
     errors: str = "strict",
     show_progress: bool = False,
-    _native_table: bool = False,
 ) -> dict[bytes, int]:
     """Counts pre-tokens (UTF-8 bytes -> int count) over files or documents.
 
@@ -274,12 +278,19 @@ def count_pretokens(
     ends this process with SIGBUS, as any memory-mapped read does.
 
     Returns:
-        dict[bytes, int] with int64-range counts. (Private: ``_native_table=True`` returns a native
-        ``_core.BpeWordTable`` instead for the named patterns, for ``train_bpe``.)
+        dict[bytes, int] with int64-range counts.
 
     >>> count_pretokens(iter(["the cat", "the dog"]), num_threads=1)
     {b'the': 2, b' cat': 1, b' dog': 1}
     """
+    counted = _count(inputs, pattern, special_tokens, num_threads, errors, show_progress)
+    return counted if isinstance(counted, dict) else counted.finish()
+
+
+def _count(inputs: Any, pattern: Any, special_tokens: Sequence[str] | None, num_threads: int | None, errors: str,
+           show_progress: bool) -> _core.BpePretokenCounter | dict[bytes, int]:
+    """count_pretokens up to the finish: the native counter holding the counts (named patterns),
+    which ``train_bpe`` finishes into a table without building the dict, or the fallback's dict."""
     native_id, compiled = _resolve_pattern(pattern)
     _check_pieces_pattern(compiled)
     tokens = _check_special_tokens(special_tokens, unique=False)
@@ -325,7 +336,7 @@ def count_pretokens(
                 # Bytes, so a file name that is not valid UTF-8 (surrogate-escaped in str) opens too.
                 counter.add_file(os.fsencode(path), progress.update_in_input if show_progress else None)
                 progress.finish_input(os.path.getsize(path) if os.path.isfile(path) else 0)
-            return counter.finish_table() if _native_table else counter.finish()
+            return counter
         finally:
             progress.close()
 
@@ -352,7 +363,7 @@ def count_pretokens(
                 first_index, batch, batch_bytes = idx + 1, [], 0
         if batch:
             progress.finish_input(counter.add_documents(batch, first_index, callback))
-        return counter.finish_table() if _native_table else counter.finish()
+        return counter
     finally:
         progress.close()
 

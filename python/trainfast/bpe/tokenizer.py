@@ -119,7 +119,7 @@ class Tokenizer:
                 "pattern": self._pattern}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["vocab"], state["merges"], state["special_tokens"], pattern=state["pattern"])
+        Tokenizer.__init__(self, state["vocab"], state["merges"], state["special_tokens"], pattern=state["pattern"])
 
     @classmethod
     def from_files(

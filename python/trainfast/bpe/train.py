@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 from trainfast._util import Progress, check_bool, check_choice, check_int, resolve_num_threads
-from trainfast.bpe.pretokenize import _check_special_tokens, count_pretokens
+from trainfast.bpe.pretokenize import _check_special_tokens, _count
 
 __all__ = ["train_bpe"]
 
@@ -82,15 +82,8 @@ def _count_words(input_path: Any, pattern: Any, special_tokens: list[str], num_t
                  show_progress: bool) -> Any:
     """Pre-token counts: a native table for the named patterns (no dict of bytes), else a dict."""
     start = time.perf_counter()
-    word_counts = count_pretokens(
-        input_path,
-        pattern=pattern,
-        special_tokens=tuple(special_tokens),
-        num_threads=num_threads,
-        errors=errors,
-        show_progress=show_progress,
-        _native_table=True,
-    )
+    counted = _count(input_path, pattern, tuple(special_tokens), num_threads, errors, show_progress)
+    word_counts = counted if isinstance(counted, dict) else counted.finish_table()
     if show_progress:
         _log.info("bpe: %s unique pre-tokens in %.2f s", f"{len(word_counts):,}", time.perf_counter() - start)
     return word_counts

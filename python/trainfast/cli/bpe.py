@@ -85,7 +85,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
 def demo() -> None:
     from trainfast.bpe import train_from_counts
-    from trainfast.bpe.train import count_pretokens
+    from trainfast.bpe import count_pretokens
 
     special = "<|endoftext|>"
     text = lzma.decompress(_DEMO_CORPUS.read_bytes()).decode("utf-8")

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainfast._util import MAX_NUM_THREADS, check_int
+
+if TYPE_CHECKING:
+    from trainfast.checkpoint import Balance, Sizing
 
 # The demo model is built as Python WriteItem objects (~30 per layer): a bound keeps it in memory.
 MAX_DEMO_LAYERS = 10_000
@@ -29,7 +34,10 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:7.3f}"
 
 
-def _time(fn, repeats: int = 5) -> tuple[object, float]:
+_T = TypeVar("_T")
+
+
+def _time(fn: Callable[[], _T], repeats: int = 5) -> tuple[_T, float]:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -46,8 +54,9 @@ def run(num_layers: int, bins: int, seed: int) -> int:
     check_int(bins, "--bins", min_value=1, max_value=MAX_NUM_THREADS)  # one printed column per bin
     items = gpt_write_items(num_layers=num_layers, seed=seed)
     print(f"checkpoint: binning a GPT write plan of {len(items):,} items into {bins} writer threads")
-    modes = [("Megatron sizing (chunk)", "chunk", "upstream"), ("torch DCP sizing (global)", "global", "upstream"),
-             ("refined (chunk + moves/swaps)", "chunk", "refined")]
+    modes: list[tuple[str, Sizing, Balance]] = [
+        ("Megatron sizing (chunk)", "chunk", "upstream"), ("torch DCP sizing (global)", "global", "upstream"),
+        ("refined (chunk + moves/swaps)", "chunk", "refined")]
     _, chunk_sizes = write_item_sizes(items, sizing="chunk", count_bytes=True)
     size_of = dict(zip(map(id, items), chunk_sizes.tolist()))
     print(f"  {'mode':32s} {'per-bin GiB written':^{8 * bins - 1}s}   max/mean")
@@ -66,11 +75,12 @@ def run(num_layers: int, bins: int, seed: int) -> int:
     return 0
 
 
-def _upstream_functions() -> dict[str, tuple[object, str]]:
+def _upstream_functions() -> dict[str, tuple[Callable[[int, list[Any]], list[list[Any]]], Sizing]]:
     """The upstream Python functions importable here: torch DCP's always, Megatron's when installed."""
     from torch.distributed.checkpoint import filesystem
 
-    functions = {"torch DCP _split_by_size_and_type": (filesystem._split_by_size_and_type, "global")}
+    functions: dict[str, tuple[Callable[[int, list[Any]], list[list[Any]]], Sizing]] = {
+        "torch DCP _split_by_size_and_type": (filesystem._split_by_size_and_type, "global")}
     try:
         import warnings
 

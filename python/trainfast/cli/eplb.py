@@ -10,7 +10,7 @@ import logging
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trainfast._util import check_int, check_output_file, write_atomic
 
@@ -102,7 +102,8 @@ def _timed(fn, repeats: int = 5) -> tuple[Any, float]:
     return result, best
 
 
-def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpus: int, tie_break: str = "torch",
+def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpus: int,
+        tie_break: Literal["torch", "stable"] = "torch",
         refine: bool = False, avoid_gpu_duplicates: bool = False, save: str | None = None,
         plot: str | None = None) -> int:
     import numpy as np
@@ -127,9 +128,14 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
     if replicas is None:
         replicas = -(-(num_experts + num_experts // 8) // gpus) * gpus
     policy = "hierarchical" if groups % nodes == 0 else "global"
-    kwargs = dict(tie_break=tie_break, avoid_gpu_duplicates=avoid_gpu_duplicates)
-    (phy2log, log2phy, logcnt), seconds = _timed(  # validates the arguments before anything is printed
-        lambda: eplb.rebalance_experts(weight, replicas, groups, nodes, gpus, **kwargs))
+    num_replicas = replicas
+
+    def place(refine_plan: bool) -> Any:
+        return eplb.rebalance_experts(weight, num_replicas, groups, nodes, gpus, tie_break=tie_break,
+                                      refine=refine_plan, avoid_gpu_duplicates=avoid_gpu_duplicates)
+
+    # validates the arguments before anything is printed
+    (phy2log, log2phy, logcnt), seconds = _timed(lambda: place(False))
     print(f"eplb: {num_layers} layers x {num_experts} experts -> {replicas} replicas on {gpus} GPUs "
           f"({nodes} nodes, {groups} groups, {policy} policy, tie_break={tie_break})")
     naive = _naive_gpu_loads(weight, gpus)
@@ -141,8 +147,7 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
           f"EPLB {eplb.balancedness(weight, phy2log, logcnt, gpus):.4f}")
     refined = None
     if refine:
-        refined, refine_seconds = _timed(
-            lambda: eplb.rebalance_experts(weight, replicas, groups, nodes, gpus, refine=True, **kwargs))
+        refined, refine_seconds = _timed(lambda: place(True))
         print(f"  refine=True: {eplb.balancedness(weight, refined[0], refined[2], gpus):.4f} "
               f"({refine_seconds * 1e3:.2f} ms)")
     if save:
@@ -212,9 +217,10 @@ def _python_reference() -> tuple[str, Any] | None:
                    if (root / "tests" / "reference" / "eplb.py").is_file()), None)
     if oracle is not None:
         spec = importlib.util.spec_from_file_location("_trainfast_eplb_oracle", oracle)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return "tests/reference oracle (upstream's algorithm)", module.rebalance_experts
+        if spec is not None and spec.loader is not None:  # always, for a .py file
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return "tests/reference oracle (upstream's algorithm)", module.rebalance_experts
     return None
 
 

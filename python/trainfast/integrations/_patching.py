@@ -121,7 +121,7 @@ class Patcher:
                                 target.module, target.attribute)
                     continue
                 functools.update_wrapper(replacement, function)
-                replacement.__trainfast_original__ = function
+                replacement.__trainfast_original__ = function  # type: ignore[attr-defined]
                 installed = wrapper(replacement) if wrapper is not None else replacement
                 self._patched[key] = (original, installed)
                 setattr(owner, name, installed)

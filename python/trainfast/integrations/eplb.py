@@ -23,6 +23,7 @@ import functools
 import importlib
 import logging
 import threading
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -98,7 +99,7 @@ _README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
 _TIED_WEIGHT = [[0, 3, 1, 1, 2, 0, 3, 3, 1, 2, 2, 0, 1, 3, 0, 2],
                 [1, 1, 0, 2, 3, 3, 0, 1, 2, 2, 1, 0, 3, 0, 2, 1]]
 # name -> [(weight, other positional arguments, enable_hierarchical or None)]
-_PROBES = {
+_PROBES: dict[str, list[tuple[list[list[int]], tuple[int, ...], bool | None]]] = {
     "balanced_packing": [(_README_WEIGHT, (4,), None), (_TIED_WEIGHT, (4,), None)],
     "replicate_experts": [(_README_WEIGHT, (16,), None), (_TIED_WEIGHT, (24,), None)],
     "rebalance_experts_hierarchical": [(_README_WEIGHT, (16, 4, 2, 8), None), (_TIED_WEIGHT, (24, 4, 2, 8), None)],
@@ -127,6 +128,7 @@ def _probe(name: str, original: Any) -> tuple[str | None, str]:
 
     from trainfast import eplb
 
+    parameters: Mapping[str, inspect.Parameter]
     try:
         parameters = inspect.signature(original).parameters
     except (TypeError, ValueError):
@@ -141,7 +143,7 @@ def _probe(name: str, original: Any) -> tuple[str | None, str]:
         except Exception as error:  # not callable as DeepSeek's: leave it alone
             return None, f"{name} cannot be called as DeepSeek's ({type(error).__name__}: {error})"
         expected = getattr(eplb, name)(*args, **kwargs)
-        if name == "rebalance_experts" and len(answer) == 3 and _padded_to_num_redundant(answer[1], expected[1], args[1]):
+        if name == "rebalance_experts" and len(answer) == 3 and _padded_to_num_redundant(answer[1], expected[1], rest[0]):
             how = "num_redundant"
             answer = (answer[0], answer[1][..., :expected[1].shape[2]], answer[2])
         same = len(answer) == len(expected) and all(
@@ -170,7 +172,7 @@ def _replacement(name: str, original: Any, log2phy_width: str = "max_count") -> 
             result = (phy2log, torch.nn.functional.pad(log2phy, (0, width - log2phy.shape[2]), value=-1), logcnt)
         return result
 
-    replacement.__trainfast_original__ = original
+    replacement.__trainfast_original__ = original  # type: ignore[attr-defined]
     return replacement
 
 
@@ -193,6 +195,7 @@ def patch(module: ModuleType | str | None = None) -> list[str]:
         # one that answers otherwise leaves the whole module as it is.
         verdicts = {name: _probe(name, getattr(target, name)) for name in fresh}
         refused = [why for how, why in verdicts.values() if how is None]
+        widths = {name: how for name, (how, _) in verdicts.items() if how is not None}
         if refused:
             logger.warning("%s left as it is: %s", target.__name__, "; ".join(refused))
             if not saved:
@@ -200,7 +203,7 @@ def patch(module: ModuleType | str | None = None) -> list[str]:
             return []
         for name in fresh:
             original = getattr(target, name)
-            saved[name] = (original, _replacement(name, original, log2phy_width=verdicts[name][0]))
+            saved[name] = (original, _replacement(name, original, log2phy_width=widths[name]))
             setattr(target, name, saved[name][1])
         patched = [f"{target.__name__}.{name}" for name in present]
     logger.info("patched %s", ", ".join(patched))

@@ -68,17 +68,17 @@ def _partition_buckets(original):
         # (`assert dtype not in dtype_to_buffer_map`); >= 0.18 refuses only a second uint8 buffer.
         distinct = re.search(r"^\s*assert\s+\w+\s+not\s+in\s+dtype_to_buffer_map\b", source, re.MULTILINE) is not None
 
-        def replacement(buffers, force_single_bucket_group=False, reduce_scatter_with_fp32_accumulation=False):
+        def three_argument_form(buffers, force_single_bucket_group=False, reduce_scatter_with_fp32_accumulation=False):
             return buckets.partition_buckets(buffers, force_single_bucket_group, reduce_scatter_with_fp32_accumulation,
                                              require_distinct_param_dtypes=distinct)
 
-        return replacement
+        return three_argument_form
     if names == ["buffers", "force_single_bucket_group"] and "reduce_scatter_with_fp32_accumulation" not in source:
         # megatron-core <= 0.16 (the two-argument form): buffers of one param dtype are refused too.
-        def replacement(buffers, force_single_bucket_group=False):
+        def two_argument_form(buffers, force_single_bucket_group=False):
             return buckets.partition_buckets(buffers, force_single_bucket_group, require_distinct_param_dtypes=True)
 
-        return replacement
+        return two_argument_form
     return None  # a form whose semantics trainfast does not reproduce: keep upstream
 
 
