@@ -67,9 +67,9 @@ def buckets_index_map(
     bucket_id: npt.NDArray[np.int64], id_hash_type: Any,
 ) -> dict[Any, tuple[int, int, int]]: ...
 # (keys, values, param_start, param_end, max_end, starts_sorted, version), or None: the plain path runs.
-IndexSnapshot = tuple[tuple[Any, ...], tuple[Any, ...], npt.NDArray[np.int64], npt.NDArray[np.int64],
+_IndexSnapshot = tuple[tuple[Any, ...], tuple[Any, ...], npt.NDArray[np.int64], npt.NDArray[np.int64],
                       npt.NDArray[np.int64], bool, int]
-def buckets_index_snapshot(param_world_index_map: dict[Any, Any]) -> IndexSnapshot | None: ...
+def buckets_index_snapshot(param_world_index_map: dict[Any, Any]) -> _IndexSnapshot | None: ...
 def buckets_param_range_map_indexed(
     param_world_index_map: dict[Any, Any], keys: tuple[Any, ...], values: tuple[Any, ...],
     param_start: npt.NDArray[np.int64], param_end: npt.NDArray[np.int64], max_end: npt.NDArray[np.int64],

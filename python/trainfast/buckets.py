@@ -584,7 +584,7 @@ def _group_params(param_list: list, grad_reduce_in_fp32: bool, layout_inputs: bo
     uint8, fp32 = torch.uint8, torch.float
     # A group-by on attributes read once per param: plain tuples as keys (upstream hashes two frozen
     # dataclasses per param), megatron's BufferKey built once per buffer.
-    # key -> (params, param_indices, numels, shared_embedding flags)
+    # key -> (params, param_indices, numels, shared_embedding flags); the last two only for layouts
     members: dict[tuple[Any, ...], tuple[list[Any], list[int], list[int], list[bool]]] = {}
     counters: dict[tuple[Any, ...], int] = {}
     for i, param in enumerate(param_list):
@@ -844,7 +844,8 @@ def _range_bounds(world_range: Any, bucket_offset: Any) -> tuple[int, int, int]:
     def bound(value: Any, name: str) -> int:
         return check_int(value, name, min_value=-INT64_MAX - 1, max_value=INT64_MAX)
 
-    return (bound(world_range.start, "gbuf_world_range.start"), bound(world_range.end, "gbuf_world_range.end"),
+    start, end = world_range.start, world_range.end  # a range lacking .end fails here, before .start is checked
+    return (bound(start, "gbuf_world_range.start"), bound(end, "gbuf_world_range.end"),
             bound(bucket_offset, "bucket_offset"))
 
 
@@ -884,7 +885,7 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
 
 # buffer -> (its param_index_map, a snapshot of it): the range builder runs once per (rank, bucket)
 # on the same map; the snapshot is re-checked against the dict on every call.
-_SNAPSHOTS: weakref.WeakKeyDictionary[Any, tuple[dict[Any, Any], _core.IndexSnapshot]] = weakref.WeakKeyDictionary()
+_SNAPSHOTS: weakref.WeakKeyDictionary[Any, tuple[dict[Any, Any], _core._IndexSnapshot]] = weakref.WeakKeyDictionary()
 
 
 def _indexed_range_map(buffer: Any, world_range: Any, bucket_offset: Any, range_type: Any) -> dict | None:

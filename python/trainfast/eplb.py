@@ -269,7 +269,8 @@ def rebalance_experts(
     avoid_gpu_duplicates = check_bool(avoid_gpu_duplicates, "avoid_gpu_duplicates")
     num_logical = tensor.shape[1]
     # Upstream's global policy is the hierarchical one with one group and one node. SGLang passes
-    # num_groups=None for models without expert groups; the global policy never reads it.
+    # num_groups=None for models without expert groups, with enable_hierarchical=False: then neither
+    # num_groups nor num_nodes is read.
     groups, nodes = 1, 1
     if enable_hierarchical is None or bool(enable_hierarchical):
         checked_groups = _count(num_groups, "num_groups")

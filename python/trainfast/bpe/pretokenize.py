@@ -20,8 +20,8 @@ import os
 import re
 import stat
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from trainfast._util import Progress, check_bool, check_choice, resolve_num_threads
 
@@ -240,7 +240,7 @@ class _Progress(Progress):
         super().close()
 
 
-def _is_path(value: object) -> TypeGuard[str | os.PathLike[str]]:
+def _is_path(value: object) -> TypeGuard[str | os.PathLike[Any]]:
     return isinstance(value, (str, os.PathLike))
 
 
@@ -283,14 +283,17 @@ def count_pretokens(
     >>> count_pretokens(iter(["the cat", "the dog"]), num_threads=1)
     {b'the': 2, b' cat': 1, b' dog': 1}
     """
-    counted = _count(inputs, pattern, special_tokens, num_threads, errors, show_progress)
-    return counted if isinstance(counted, dict) else counted.finish()
+    return _count(inputs, pattern, special_tokens, num_threads, errors, show_progress, lambda counter: counter.finish())
+
+
+_Finished = TypeVar("_Finished")
 
 
 def _count(inputs: Any, pattern: Any, special_tokens: Sequence[str] | None, num_threads: int | None, errors: str,
-           show_progress: bool) -> _core.BpePretokenCounter | dict[bytes, int]:
-    """count_pretokens up to the finish: the native counter holding the counts (named patterns),
-    which ``train_bpe`` finishes into a table without building the dict, or the fallback's dict."""
+           show_progress: bool, finish: Callable[[_core.BpePretokenCounter], _Finished]
+           ) -> _Finished | dict[bytes, int]:
+    """count_pretokens with the native counter's finish given: ``train_bpe`` finishes into a table,
+    without building the dict. Other patterns (the ``regex`` fallback) return a dict."""
     native_id, compiled = _resolve_pattern(pattern)
     _check_pieces_pattern(compiled)
     tokens = _check_special_tokens(special_tokens, unique=False)
@@ -298,7 +301,7 @@ def _count(inputs: Any, pattern: Any, special_tokens: Sequence[str] | None, num_
     check_choice(errors, "errors", _ERRORS)
     show_progress = check_bool(show_progress, "show_progress")
 
-    paths: list[str] | None = None
+    paths: list[str | bytes] | None = None
     if _is_path(inputs):
         paths = [os.fspath(inputs)]
     elif isinstance(inputs, (list, tuple)) and all(_is_path(item) for item in inputs):
@@ -336,7 +339,7 @@ def _count(inputs: Any, pattern: Any, special_tokens: Sequence[str] | None, num_
                 # Bytes, so a file name that is not valid UTF-8 (surrogate-escaped in str) opens too.
                 counter.add_file(os.fsencode(path), progress.update_in_input if show_progress else None)
                 progress.finish_input(os.path.getsize(path) if os.path.isfile(path) else 0)
-            return counter
+            return finish(counter)
         finally:
             progress.close()
 
@@ -363,7 +366,7 @@ def _count(inputs: Any, pattern: Any, special_tokens: Sequence[str] | None, num_
                 first_index, batch, batch_bytes = idx + 1, [], 0
         if batch:
             progress.finish_input(counter.add_documents(batch, first_index, callback))
-        return counter
+        return finish(counter)
     finally:
         progress.close()
 

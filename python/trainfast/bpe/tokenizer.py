@@ -119,7 +119,9 @@ class Tokenizer:
                 "pattern": self._pattern}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        Tokenizer.__init__(self, state["vocab"], state["merges"], state["special_tokens"], pattern=state["pattern"])
+        # A subclass's own __init__ runs too, as it did when the object was made.
+        self.__init__(state["vocab"], state["merges"], state["special_tokens"],  # type: ignore[misc]
+                      pattern=state["pattern"])
 
     @classmethod
     def from_files(

@@ -82,8 +82,8 @@ def _count_words(input_path: Any, pattern: Any, special_tokens: list[str], num_t
                  show_progress: bool) -> Any:
     """Pre-token counts: a native table for the named patterns (no dict of bytes), else a dict."""
     start = time.perf_counter()
-    counted = _count(input_path, pattern, tuple(special_tokens), num_threads, errors, show_progress)
-    word_counts = counted if isinstance(counted, dict) else counted.finish_table()
+    word_counts = _count(input_path, pattern, tuple(special_tokens), num_threads, errors, show_progress,
+                         lambda counter: counter.finish_table())
     if show_progress:
         _log.info("bpe: %s unique pre-tokens in %.2f s", f"{len(word_counts):,}", time.perf_counter() - start)
     return word_counts
