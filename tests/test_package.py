@@ -1,6 +1,7 @@
 """The package itself: version, typed stub complete, CLI entry point."""
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,8 +118,12 @@ def test_package_type_checks(tmp_path):
     """The package ships py.typed, so its annotations are what users' type checkers see: mypy (the
     settings in pyproject.toml) must find no error in the copy under test, stub included."""
     pytest.importorskip("mypy")
-    package = Path(trainfast.__file__).parent
+    # A copy: checked in place, an installed package's root would be site-packages, whose other
+    # modules (typing_extensions.py) mypy then refuses as shadowing its own.
+    package = tmp_path / "src" / "trainfast"
+    shutil.copytree(Path(trainfast.__file__).parent, package, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     config = Path(__file__).parents[1] / "pyproject.toml"
-    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir", str(tmp_path),
-                          "--no-error-summary", str(package)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir",
+                          str(tmp_path / "cache"), "--no-error-summary", str(package)],
+                         capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
