@@ -68,7 +68,7 @@ def buckets_index_map(
 ) -> dict[Any, tuple[int, int, int]]: ...
 # (keys, values, param_start, param_end, max_end, starts_sorted, version), or None: the plain path runs.
 _IndexSnapshot = tuple[tuple[Any, ...], tuple[Any, ...], npt.NDArray[np.int64], npt.NDArray[np.int64],
-                      npt.NDArray[np.int64], bool, int]
+                       npt.NDArray[np.int64], bool, int]
 def buckets_index_snapshot(param_world_index_map: dict[Any, Any]) -> _IndexSnapshot | None: ...
 def buckets_param_range_map_indexed(
     param_world_index_map: dict[Any, Any], keys: tuple[Any, ...], values: tuple[Any, ...],

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from trainfast._util import MAX_NUM_THREADS, check_int
+from trainfast.cli._timing import best_of
 
 if TYPE_CHECKING:
     from trainfast.checkpoint import Balance, Sizing
@@ -34,18 +34,6 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:7.3f}"
 
 
-_T = TypeVar("_T")
-
-
-def _time(fn: Callable[[], _T], repeats: int = 5) -> tuple[_T, float]:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return result, best
-
-
 def run(num_layers: int, bins: int, seed: int) -> int:
     from trainfast._examples import gpt_write_items
     from trainfast.checkpoint import balance_ratio, split_by_size_and_type, write_item_sizes
@@ -67,8 +55,8 @@ def run(num_layers: int, bins: int, seed: int) -> int:
 
     upstream = _upstream_functions()
     for label, (fn, sizing) in upstream.items():
-        expected, python_s = _time(lambda: fn(bins, items))
-        got, native_s = _time(lambda: split_by_size_and_type(bins, items, sizing=sizing))
+        expected, python_s = best_of(lambda: fn(bins, items))
+        got, native_s = best_of(lambda: split_by_size_and_type(bins, items, sizing=sizing))
         same = [[id(x) for x in group] for group in got] == [[id(x) for x in group] for group in expected]
         print(f"  vs {label:28s} python {python_s * 1e3:8.2f} ms  native {native_s * 1e3:6.2f} ms"
               f"  {python_s / native_s:6.1f}x  identical={same}")

@@ -7,12 +7,12 @@ import importlib
 import importlib.util
 import io
 import logging
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 from trainfast._util import check_int, check_output_file, write_atomic
+from trainfast.cli._timing import best_of
 
 _NAME = "eplb"
 logger = logging.getLogger("trainfast.cli.eplb")
@@ -93,15 +93,6 @@ def _naive_gpu_loads(weight: Any, num_gpus: int) -> Any:
     return out
 
 
-def _timed(fn, repeats: int = 5) -> tuple[Any, float]:
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return result, best
-
-
 def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpus: int,
         tie_break: Literal["torch", "stable"] = "torch",
         refine: bool = False, avoid_gpu_duplicates: bool = False, save: str | None = None,
@@ -135,7 +126,7 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
                                       refine=refine_plan, avoid_gpu_duplicates=avoid_gpu_duplicates)
 
     # validates the arguments before anything is printed
-    (phy2log, log2phy, logcnt), seconds = _timed(lambda: place(False))
+    (phy2log, log2phy, logcnt), seconds = best_of(lambda: place(False))
     print(f"eplb: {num_layers} layers x {num_experts} experts -> {replicas} replicas on {gpus} GPUs "
           f"({nodes} nodes, {groups} groups, {policy} policy, tie_break={tie_break})")
     naive = _naive_gpu_loads(weight, gpus)
@@ -147,7 +138,7 @@ def run(loads: str | None, *, replicas: int | None, groups: int, nodes: int, gpu
           f"EPLB {eplb.balancedness(weight, phy2log, logcnt, gpus):.4f}")
     refined = None
     if refine:
-        refined, refine_seconds = _timed(lambda: place(True))
+        refined, refine_seconds = best_of(lambda: place(True))
         print(f"  refine=True: {eplb.balancedness(weight, refined[0], refined[2], gpus):.4f} "
               f"({refine_seconds * 1e3:.2f} ms)")
     if save:
@@ -232,9 +223,9 @@ def demo() -> None:
     weight = synthetic_loads()
     args = (weight, 288, 8, 4, 32)
     print("eplb: DeepSeek-V3 prefill placement, 58 layers x 256 experts -> 288 replicas, 4 nodes x 8 GPUs")
-    got, native_s = _timed(lambda: eplb.rebalance_experts(*args), repeats=20)
-    _, stable_s = _timed(lambda: eplb.rebalance_experts(*args, tie_break="stable"), repeats=20)
-    refined, _ = _timed(lambda: eplb.rebalance_experts(*args, refine=True), repeats=3)
+    got, native_s = best_of(lambda: eplb.rebalance_experts(*args), repeats=20)
+    _, stable_s = best_of(lambda: eplb.rebalance_experts(*args, tie_break="stable"), repeats=20)
+    refined, _ = best_of(lambda: eplb.rebalance_experts(*args, refine=True), repeats=3)
     print(f"  native {native_s * 1e3:.2f} ms (stable mode {stable_s * 1e3:.2f} ms); max/mean GPU load "
           f"{eplb.balancedness(weight, got[0], got[2], 32):.4f}, refine=True "
           f"{eplb.balancedness(weight, refined[0], refined[2], 32):.4f}")
@@ -244,8 +235,8 @@ def demo() -> None:
         return
     label, fn = reference
     try:
-        expected, python_s = _timed(lambda: fn(*args), repeats=1)
+        expected, python_s = best_of(lambda: fn(*args), repeats=1)
     except TypeError:  # SGLang's signature
-        expected, python_s = _timed(lambda: fn(*args, True), repeats=1)
+        expected, python_s = best_of(lambda: fn(*args, True), repeats=1)
     same = all(torch.equal(a, b) for a, b in zip(got, expected))
     print(f"  vs {label}: python {python_s:.2f} s, {python_s / native_s:,.0f}x faster, identical={same}")
