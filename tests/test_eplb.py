@@ -234,6 +234,24 @@ def test_replicate_experts_matches_oracle(dtype):
         assert_same(eplb.replicate_experts(weight, num_phy), ref.replicate_experts(weight, num_phy))
 
 
+@pytest.mark.parametrize("shape, num_packs", [((0, 4), 2), ((0, 4), 4), ((3, 0), 2), ((0, 0), 3)])
+def test_balanced_packing_of_an_empty_weight_is_empty_as_upstream(shape, num_packs):
+    # Upstream's loop has nothing to place and returns its empty tables; a patched module must too.
+    weight = torch.zeros(shape)
+    assert_same(eplb.balanced_packing(weight, num_packs), ref.balanced_packing(weight, num_packs))
+
+
+@pytest.mark.parametrize("shape, num_phy", [((0, 4), 4), ((0, 4), 9), ((0, 0), 3)])
+def test_replicate_experts_of_no_rows_is_empty_as_upstream(shape, num_phy):
+    weight = torch.zeros(shape)
+    assert_same(eplb.replicate_experts(weight, num_phy), ref.replicate_experts(weight, num_phy))
+
+
+def test_replicate_experts_needs_an_expert_to_replicate():
+    with pytest.raises(AssertionError, match=r"weight .*\(2, 0\)"):
+        eplb.replicate_experts(torch.zeros(2, 0), 3)
+
+
 def test_replicate_experts_large_int_loads_divide_in_float32():
     weight = torch.tensor([[2**40 + 1, 2**40, 3 * 2**39]])
     assert_same(eplb.replicate_experts(weight, 7), ref.replicate_experts(weight, 7))

@@ -116,14 +116,14 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
         raise TypeError(f"{name} must be a nested sequence of numbers ({error})") from None
 
 
-def _weight_2d(weight: Any) -> torch.Tensor:
+def _weight_2d(weight: Any, allow_empty: bool = False) -> torch.Tensor:
     tensor = _as_tensor(weight, "weight")
     if tensor.dtype.is_complex:
         raise TypeError(f"weight must have a real dtype (got {tensor.dtype})")
     if tensor.dim() != 2:
         raise UpstreamAssertionError(f"weight must be 2-D [num_layers, num_logical_experts] (got shape "
                                      f"{tuple(tensor.shape)})")
-    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+    if not allow_empty and (tensor.shape[0] == 0 or tensor.shape[1] == 0):
         raise UpstreamAssertionError(f"weight must not be empty (got shape {tuple(tensor.shape)})")
     return tensor
 
@@ -334,13 +334,13 @@ HELPER_DTYPES = (torch.float32, torch.float64, torch.int64, *NARROW_INT_DTYPES)
 
 def _helper_weight(weight: Any) -> tuple[torch.Tensor, np.ndarray]:
     """(tensor, numpy array in the dtype whose arithmetic matches upstream's on this tensor)."""
-    tensor = _weight_2d(weight)
+    tensor = _weight_2d(weight, allow_empty=True)  # upstream's helpers answer an empty weight with empty tables
     if tensor.dtype in (torch.float32, torch.float64, torch.int64):
         native = tensor.cpu().contiguous()
     elif tensor.dtype in NARROW_INT_DTYPES:
         native = tensor.cpu().to(torch.int64).contiguous()  # same result unless upstream's narrow sums overflow
     else:
-        raise TypeError(f"weight must be float32, float64 or an integer dtype (got {tensor.dtype})")
+        raise TypeError(f"weight must be float32, float64, int64, int32, int16, int8 or uint8 (got {tensor.dtype})")
     if native.is_floating_point() and bool(torch.isnan(native).any()):
         layer, expert = (int(i) for i in torch.nonzero(torch.isnan(native))[0])
         raise ValueError(f"weight[{layer}, {expert}] is NaN (layer {layer}, expert {expert})")
@@ -351,7 +351,8 @@ def balanced_packing(weight: Any, num_packs: int, *, num_threads: int | None = N
     """Packs each row's items into ``num_packs`` packs of equal size, heaviest first.
 
     Args:
-        weight: `[rows, n]` item weights (float32/float64/integer); ``n % num_packs == 0``.
+        weight: `[rows, n]` item weights (float32/float64/integer); ``n % num_packs == 0``. With
+            no rows or no items the tables are empty, as upstream's.
             Narrower integers (int8/16/32, uint8) are summed as int64, where upstream's pack sums
             would wrap in the narrow dtype: equal results unless a pack's load overflows it.
         num_packs: number of packs.
@@ -367,6 +368,9 @@ def balanced_packing(weight: Any, num_packs: int, *, num_threads: int | None = N
     if num_items == num_packs:  # one item per pack: upstream skips the sort
         return (torch.arange(num_items, dtype=torch.int64).repeat(num_rows, 1),
                 torch.zeros(num_rows, num_items, dtype=torch.int64))
+    if native.size == 0:
+        return (torch.empty(num_rows, num_items, dtype=torch.int64),
+                torch.empty(num_rows, num_items, dtype=torch.int64))
     order = _descending_order(tensor)
     pack_index, rank_in_pack = _core.eplb_balanced_packing(native, order, num_packs, resolve_num_threads(num_threads))
     return torch.from_numpy(pack_index), torch.from_numpy(rank_in_pack)
@@ -377,6 +381,7 @@ def replicate_experts(weight: Any, num_phy: int, *, num_threads: int | None = No
 
     Args:
         weight: `[rows, num_log]` loads (float32/float64/integer; integers divide in float32 as torch).
+            With no rows the tables are empty, as upstream's; a row needs at least one expert.
         num_phy: replicas per row, >= ``num_log``.
 
     Returns:
@@ -384,8 +389,14 @@ def replicate_experts(weight: Any, num_phy: int, *, num_threads: int | None = No
     """
     _, native = _helper_weight(weight)
     num_phy = _count(num_phy, "num_phy")
-    _require(num_phy >= native.shape[1],
-             f"num_phy must be >= the number of logical experts (got num_phy={num_phy}, {native.shape[1]} experts)")
+    num_rows, num_log = native.shape
+    _require(num_phy >= num_log,
+             f"num_phy must be >= the number of logical experts (got num_phy={num_phy}, {num_log} experts)")
+    if num_rows == 0:
+        return (torch.empty(0, num_phy, dtype=torch.int64), torch.empty(0, num_phy, dtype=torch.int64),
+                torch.empty(0, num_log, dtype=torch.int64))
+    # No expert to replicate (upstream fails in torch's max over an empty row).
+    _require(num_log > 0, f"weight must have at least one logical expert per row (got shape {tuple(native.shape)})")
     outputs = _core.eplb_replicate_experts(native, num_phy, resolve_num_threads(num_threads))
     return tuple(torch.from_numpy(x) for x in outputs)
 
@@ -425,15 +436,14 @@ def gpu_loads(weight: Any, phy2log: Any, logcnt: Any, num_gpus: int) -> np.ndarr
     """float64 `[num_layers, num_gpus]`: each GPU's load, every replica carrying load / count.
 
     Args:
-        weight: `[num_layers, num_logical]` loads (real dtype, finite and >= 0 once made float32).
+        weight: `[num_layers, num_logical]` loads (any real dtype, bool included; finite and >= 0 once
+            made float32).
         phy2log: `[num_layers, num_physical]` integer logical expert of each slot, in ``[0, num_logical)``;
             ``num_physical`` divisible by ``num_gpus``.
         logcnt: `[num_layers, num_logical]` integer replica count of each logical expert, >= 1.
         num_gpus: positive int.
     """
-    tensor = _weight_2d(weight)
-    if tensor.dtype == torch.bool:
-        raise TypeError(f"weight must have a numeric dtype (got {tensor.dtype})")
+    tensor = _weight_2d(weight)  # any real dtype, bool included, as rebalance_experts takes it
     w = _float32_cpu(tensor).numpy().astype(np.float64)
     bad = ~(np.isfinite(w) & (w >= 0))  # as rebalance_experts: an inf or negative load gives a meaningless ratio
     if bad.any():
