@@ -475,6 +475,7 @@ CASES += [
     Case("bpe.Tokenizer", "empty", lambda: bpe.Tokenizer(_TINY_VOCAB, [], [""]), ValueError, r"special_tokens\[0\]"),
     Case("bpe.Tokenizer", "malformed string", lambda: bpe.Tokenizer(_TINY_VOCAB, [], pattern="gpt9"), ValueError, "pattern"),
     Case("bpe.Tokenizer", "int64 overflow", lambda: bpe.Tokenizer(_TINY_VOCAB | {2**31: b"abab"}, []), ValueError, "vocab ids"),
+    Case("bpe.Tokenizer", "int64 overflow", lambda: bpe.Tokenizer(_TINY_VOCAB | {2**31 - 1: b"abab"}, [], ["<s>"]), ValueError, r"special token '<s>' .* would get id 2147483648"),
     Case("bpe.Tokenizer", "negative", lambda: bpe.Tokenizer(_TINY_VOCAB | {-5: b"abab"}, []), ValueError, "vocab ids"),
     Case("bpe.Tokenizer", "empty", lambda: bpe.Tokenizer({}, []), ValueError, "vocab"),
     Case("bpe.Tokenizer", "empty", lambda: bpe.Tokenizer(_TINY_VOCAB | {300: b""}, []), ValueError, r"vocab\[300\]"),

@@ -98,6 +98,15 @@ def test_save_load_arbitrary_bytes(tmp_path):
     assert load(tmp_path) == (vocab, merges)
 
 
+def test_save_load_keeps_a_first_merge_that_looks_like_a_version_header(tmp_path):
+    # Readers skip a first line starting with "#version"; save writes a header before such a merge.
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"#version", 257: b"#version:"}
+    merges = [(b"#version", b":")]
+    save(vocab, merges, tmp_path)
+    assert load(tmp_path) == (vocab, merges)
+    assert (tmp_path / "merges.txt").read_text(encoding="utf-8").splitlines() == ["#version: 0.2", "#version :"]
+
+
 def test_load_reads_crlf_merges(shared_dir, tmp_path):
     vocab, merges = _train(_fixture(shared_dir, "corpus.en"), 300, [SPECIAL])
     save(vocab, merges, tmp_path)

@@ -2,7 +2,8 @@
 
 Every token (special tokens included) is written through GPT-2's ``bytes_to_unicode`` map, as in the
 CS336 fixtures and GPT-2's own files, so any bytes round-trip exactly. ``merges.txt`` has one
-``left right`` line per merge, in creation order, without a ``#version`` header.
+``left right`` line per merge, in creation order, without a ``#version`` header unless the first
+merge's line itself starts with ``#version`` (readers skip such a first line as the header).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def save(vocab: dict[int, bytes], merges: Iterable[tuple[bytes, bytes]], out_dir
                 raise ValueError(f"merges[{idx}] = ({left!r}, {right!r}) refers to an unknown token: "
                                  f"its {what} token {token!r} is not in vocab")
         lines.append(f"{_encode(left)} {_encode(right)}\n")
+    if lines and lines[0].startswith("#version"):  # else it would be read back as the header
+        lines.insert(0, "#version: 0.2\n")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"out_dir {str(out)!r} is not a directory")

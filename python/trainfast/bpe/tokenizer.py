@@ -85,6 +85,9 @@ class Tokenizer:
         for token in self._special_tokens:
             token_bytes = token.encode("utf-8")
             if token_bytes not in self._token_to_id:  # CS336: specials missing from vocab are appended
+                if next_id >= 2**31:
+                    raise ValueError(f"special token {token!r} is not in vocab and would get id {next_id} "
+                                     f"(max vocab id + 1), past the largest id, 2^31 - 1; add it to vocab")
                 self._vocab[next_id] = token_bytes
                 self._token_to_id[token_bytes] = next_id
                 next_id += 1
