@@ -840,6 +840,17 @@ def test_cli_pretokenize(tmp_path, capsys):
     assert main(["pretokenize", str(tmp_path / "missing.txt")]) == 2
 
 
+def test_cli_invalid_utf8_names_the_option(tmp_path, caplog):
+    # The library's hint names its keyword argument; on the command line it names the option.
+    from trainfast.cli import main
+
+    path = tmp_path / "doc.txt"
+    path.write_bytes(b"ok \xff")
+    assert main(["pretokenize", str(path)]) == 2
+    assert "invalid UTF-8 at byte offset 3" in caplog.text and "pass --errors replace or --errors ignore" in caplog.text
+    assert main(["pretokenize", str(path), "--errors", "replace"]) == 0
+
+
 def test_ctrl_c_stops_counting(tmp_path):
     path = tmp_path / "big.txt"
     path.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 3_000_000)  # 132 MB

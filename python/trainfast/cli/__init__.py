@@ -50,7 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush stays quiet
         return 128 + signal.SIGPIPE
     except (ValueError, TypeError, OSError, ImportError) as error:  # ImportError: an optional package (regex ...)
-        logging.getLogger("trainfast").error("trainfast %s: error: %s", args.command, error)
+        message = str(error)
+        if hasattr(args, "errors"):  # the library's hint names its keyword; here the option does the same
+            message = message.replace("pass errors='replace' or errors='ignore'", "pass --errors replace or --errors ignore")
+        logging.getLogger("trainfast").error("trainfast %s: error: %s", args.command, message)
         return 2
     except MemoryError:  # sizes asked on the command line (--layers, --bins ...) beyond this machine
         logging.getLogger("trainfast").error("trainfast %s: error: out of memory for these arguments", args.command)
