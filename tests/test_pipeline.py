@@ -284,6 +284,12 @@ def test_pp_rank_required_without_parallel_state(monkeypatch):
         tp.get_num_layers_to_build(SimpleNamespace(num_layers=8, pipeline_model_parallel_size=4))
     with pytest.raises(ValueError, match="pp_rank must be given"):
         tp.get_transformer_layer_offset(SimpleNamespace(num_layers=8, pipeline_model_parallel_size=4))
+    # With one pipeline rank and a layout too: upstream reads the rank before it sees the offset is 0.
+    one_rank = SimpleNamespace(num_layers=2, pipeline_model_parallel_size=1,
+                               pipeline_model_parallel_layout=tp.PipelineLayout.from_str("EttL", 1))
+    with pytest.raises(AssertionError, match="pp_rank must be given"):
+        tp.get_transformer_layer_offset(one_rank)
+    assert tp.get_transformer_layer_offset(one_rank, None, 0) == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -417,17 +423,22 @@ def test_layout_through_transformer_config(mcore):
 
 
 def test_layout_offset_on_one_pipeline_rank_needs_no_vp_stage(mcore):
-    # Upstream returns 0 for pp=1 before looking at vp_stage or the parallel state (found by a
-    # differential run: the drop-in asked the layout for a vp_stage first).
+    # Upstream returns 0 for pp=1 before looking at vp_stage (found by a differential run: the
+    # drop-in asked the layout for a vp_stage first), but after reading the parallel state when
+    # pp_rank is None: without one initialized, both assert.
     for text in ("Ett|L", "Ett|mL", "E|tt|mmL"):
         mtp = text.count("m")
         config = mcore.make_config(num_layers=2, pipeline_model_parallel_size=1, pipeline_model_parallel_layout=text,
                                    mtp_num_layers=mtp or None)
         with fake_parallel_state(mcore.parallel_state, 0, config.virtual_pipeline_model_parallel_size):
             expected = mcore.layer_offset(config, vp_stage=None)
+            assert tp.get_transformer_layer_offset(config, vp_stage=None) == expected
         assert expected == 0
-        assert tp.get_transformer_layer_offset(config, vp_stage=None) == expected
         assert tp.get_transformer_layer_offset(config, vp_stage=None, pp_rank=0) == expected
+        with pytest.raises(AssertionError):
+            mcore.layer_offset(config, vp_stage=None)
+        with pytest.raises(AssertionError, match="pp_rank must be given"):
+            tp.get_transformer_layer_offset(config, vp_stage=None)
 
 
 def test_layout_to_str_examples():

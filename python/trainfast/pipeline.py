@@ -485,7 +485,9 @@ def get_transformer_layer_offset(config: Any, vp_stage: int | None = None, pp_ra
     spec = _read_config(config)
     if spec[7] is not None and spec[1] == 1:
         # Upstream's offset on one pipeline rank is 0 without reading vp_stage (which a multi-stage
-        # layout would need for the count) or the parallel state.
+        # layout would need for the count); it does read the parallel state when pp_rank is None.
+        if pp_rank is None:
+            _current_pp_rank()
         _validate_layout_config(spec)
         return 0
     offset = _rank_values(config, vp_stage, pp_rank)[1]
