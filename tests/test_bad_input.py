@@ -7,6 +7,7 @@ current.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -129,6 +130,8 @@ def _file(name: str, data: bytes) -> str:
 
 
 LAYOUT = buckets.plan_layout([100, 200, 300], bucket_size=256, data_parallel_world_size=2)
+_BUFFER_WITHOUT_BUCKETS = SimpleNamespace(
+    data_parallel_group=SimpleNamespace(rank=lambda: 0, size=lambda: 1), buckets=[], param_index_map={})
 
 
 def _param(numel: int, requires_grad: bool = True) -> torch.nn.Parameter:
@@ -322,7 +325,13 @@ CASES += [
     Case("buckets.compute_default_per_buffer_param_layout", "wrong type", lambda: buckets.compute_default_per_buffer_param_layout(None, 10), TypeError, "params"),
     Case("buckets.group_params_for_buffers", "wrong value", lambda: buckets.group_params_for_buffers([_param(3, requires_grad=False)], False), AssertionError, r"params\[0\]"),
     Case("buckets.group_params_for_buffers", "wrong type", lambda: buckets.group_params_for_buffers(5, False), TypeError, "params"),
-    Case("buckets.partition_buckets", "wrong type", lambda: buckets.partition_buckets(5), TypeError, "list"),
+    Case("buckets.partition_buckets", "wrong type", lambda: buckets.partition_buckets(5), TypeError, "buffers must be a list"),
+    # Upstream fails on the missing attribute: the error is an AttributeError as well as a TypeError.
+    Case("buckets.partition_buckets", "malformed object", lambda: buckets.partition_buckets([object()]), AttributeError, r"buffers\[0\] .*\.param_dtype"),
+    Case("buckets.build_model_gbuf_range", "wrong type", lambda: buckets.build_model_gbuf_range(None, 0), AttributeError, "param_and_grad_buffer"),
+    Case("buckets.build_model_gbuf_range", "wrong value", lambda: buckets.build_model_gbuf_range(_BUFFER_WITHOUT_BUCKETS, 3), IndexError, "bucket_index"),
+    Case("buckets.build_model_gbuf_param_range_map", "wrong type", lambda: buckets.build_model_gbuf_param_range_map({}, None, 0), AttributeError, "gbuf_world_range"),
+    Case("buckets.shard_ranges", "malformed object", lambda: buckets.shard_ranges(dataclasses.replace(LAYOUT, param_end=LAYOUT.param_end + 10**6), 2), ValueError, "param_end"),
     Case("buckets.partition_bucket_indices", "output too large for memory", lambda: buckets.partition_bucket_indices([False, False], [2**40, 2**40]), ValueError, r"would need .* GiB"),
     Case("buckets.partition_bucket_indices", "int64 overflow", lambda: buckets.partition_bucket_indices([False, False], [2**62, 2**62]), ValueError, "num_buckets"),
     Case("buckets.partition_bucket_indices", "NaN/inf", lambda: buckets.partition_bucket_indices([False], [float("nan")]), TypeError, "num_buckets"),

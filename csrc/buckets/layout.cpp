@@ -174,8 +174,10 @@ ShardRanges shard_ranges(std::span<const int64_t> param_start_in, std::span<cons
     const int64_t b = bucket_of(k), s = start_of(k), e = end_of(k);
     TF_CHECK_ARG(b >= 0 && b < num_buckets, "bucket_id", b, "must index bucket_indices");
     TF_CHECK_ARG(k == 0 || b >= bucket_of(k - 1), "bucket_id", b, "must be non-decreasing in layout order");
-    TF_CHECK_ARG(s <= e && s >= bucket_indices[2 * b] && e <= bucket_indices[2 * b + 1], "param_start", s,
+    TF_CHECK_ARG(s >= bucket_indices[2 * b] && s <= bucket_indices[2 * b + 1], "param_start", s,
                  "must lie inside the param's bucket");
+    TF_CHECK_ARG(e >= s && e <= bucket_indices[2 * b + 1], "param_end", e,
+                 "must lie inside the param's bucket, at or after its param_start");
     TF_CHECK_ARG(k == 0 || bucket_of(k - 1) != b || s >= end_of(k - 1), "param_start", s,
                  "must not overlap the previous param of its bucket");
   }

@@ -42,6 +42,22 @@ class UpstreamAssertionError(ValueError, AssertionError):
     """Bad argument where upstream ``assert``s: catchable as either ValueError or AssertionError."""
 
 
+class UpstreamAttributeError(TypeError, AttributeError):
+    """An argument lacks an attribute upstream reads from it: catchable as either TypeError or
+    AttributeError (what upstream raises there)."""
+
+
+class UpstreamIndexError(ValueError, IndexError):
+    """An index out of the range upstream indexes with it: catchable as ValueError or IndexError."""
+
+
+def check_attrs(value: Any, name: str, attrs: Sequence[str], what: str) -> None:
+    """UpstreamAttributeError naming ``name`` unless ``value`` has every attribute in ``attrs``."""
+    for attr in attrs:
+        if not hasattr(value, attr):
+            raise UpstreamAttributeError(f"{name} must be {what} with .{attr} (got {type(value).__name__} {value!r:.80})")
+
+
 # Counts and sizes cross into native code as int64.
 INT64_MAX = 2**63 - 1
 

@@ -40,7 +40,9 @@ from trainfast import _core
 from trainfast._util import (
     INT64_MAX,
     UpstreamAssertionError,
+    UpstreamIndexError,
     as_array,
+    check_attrs,
     check_bool,
     check_int,
     resolve_num_threads,
@@ -514,14 +516,14 @@ def _quantized_storage_check(predicates: list) -> Any:
     return None if known else call
 
 
-def _param_list(params: Any) -> list:
+def _param_list(params: Any, name: str = "params", what: str = "parameters") -> list:
     if isinstance(params, list):
         return params
     if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
         try:
             return list(params)
         except TypeError:
-            raise TypeError(f"params must be a list of parameters (got {type(params).__name__})") from None
+            raise TypeError(f"{name} must be a list of {what} (got {type(params).__name__})") from None
     return list(params)
 
 
@@ -744,6 +746,10 @@ def compute_full_param_layout(
     return _dataclasses()[2](layouts=layouts)
 
 
+# What partition_buckets reads from each buffer.
+_BUFFER_ATTRS = ("param_dtype", "buckets", "ddp_config", "data_parallel_group", "data_parallel_world_size")
+
+
 def partition_buckets(
     buffers: Any,
     force_single_bucket_group: bool = False,
@@ -758,9 +764,11 @@ def partition_buckets(
     its own, fp8 buckets first. ``require_distinct_param_dtypes`` adds the check of megatron-core
     <= 0.17 (no two buffers of one param dtype); newer releases only refuse two uint8 buffers.
     """
-    buffer_list = _param_list(buffers)
+    buffer_list = _param_list(buffers, "buffers", "_ParamAndGradBuffer objects")
     if not buffer_list:
         return []
+    for idx, buffer in enumerate(buffer_list):
+        check_attrs(buffer, f"buffers[{idx}]", _BUFFER_ATTRS, "a _ParamAndGradBuffer")
     import torch
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
@@ -844,7 +852,8 @@ def _range_bounds(world_range: Any, bucket_offset: Any) -> tuple[int, int, int]:
     def bound(value: Any, name: str) -> int:
         return check_int(value, name, min_value=-INT64_MAX - 1, max_value=INT64_MAX)
 
-    start, end = world_range.start, world_range.end  # a range lacking .end fails here, before .start is checked
+    check_attrs(world_range, "gbuf_world_range", ("start", "end"), "a Range")
+    start, end = world_range.start, world_range.end
     return (bound(start, "gbuf_world_range.start"), bound(end, "gbuf_world_range.end"),
             bound(bucket_offset, "bucket_offset"))
 
@@ -852,7 +861,10 @@ def _range_bounds(world_range: Any, bucket_offset: Any) -> tuple[int, int, int]:
 def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls: Any = None) -> dict:
     """``DistributedOptimizer._build_model_gbuf_range``: this rank's shard of one bucket and its
     params' ranges, ``{"param_map": ...}``; computes only this rank's range (upstream builds all)."""
+    check_attrs(param_and_grad_buffer, "param_and_grad_buffer", ("data_parallel_group", "buckets", "param_index_map"),
+                "a _ParamAndGradBuffer")
     group = param_and_grad_buffer.data_parallel_group
+    check_attrs(group, "param_and_grad_buffer.data_parallel_group", ("rank", "size"), "a process group")
     rank, world = group.rank(), group.size()
     shards = getattr(param_and_grad_buffer, "num_optimizer_shards", None)
     if shards is not None and shards != world:
@@ -867,6 +879,10 @@ def build_model_gbuf_range(param_and_grad_buffer: Any, bucket_index: int, *, cls
     if rank >= world:
         raise ValueError(f"data-parallel rank {rank} (data_parallel_group.rank()) is not below the group's "
                          f"size() {world}")
+    num_buckets = len(param_and_grad_buffer.buckets)
+    bucket_index = check_int(bucket_index, "bucket_index")
+    if not -num_buckets <= bucket_index < num_buckets:  # upstream indexes a list: negative ones count from the end
+        raise UpstreamIndexError(f"bucket_index must index the buffer's {num_buckets} buckets (got {bucket_index})")
     bucket = param_and_grad_buffer.buckets[bucket_index]
     size = bucket.grad_data.numel()
     if size % world != 0:
