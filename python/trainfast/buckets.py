@@ -842,6 +842,8 @@ def build_model_gbuf_param_range_map(param_world_index_map: Mapping, gbuf_world_
         # The native pass reads a dict's storage order; upstream reads .items(), which a subclass or
         # another mapping may order differently (an OrderedDict after move_to_end).
         param_world_index_map = dict(param_world_index_map.items())
+    # Checked here, not in _range_bounds: the range builder passes a Range it made itself.
+    check_attrs(gbuf_world_range, "gbuf_world_range", ("start", "end"), "a Range")
     return _core.buckets_param_range_map(
         param_world_index_map, *_range_bounds(gbuf_world_range, bucket_offset), range_type
     )
@@ -852,7 +854,6 @@ def _range_bounds(world_range: Any, bucket_offset: Any) -> tuple[int, int, int]:
     def bound(value: Any, name: str) -> int:
         return check_int(value, name, min_value=-INT64_MAX - 1, max_value=INT64_MAX)
 
-    check_attrs(world_range, "gbuf_world_range", ("start", "end"), "a Range")
     start, end = world_range.start, world_range.end
     return (bound(start, "gbuf_world_range.start"), bound(end, "gbuf_world_range.end"),
             bound(bucket_offset, "bucket_offset"))
